@@ -1,0 +1,53 @@
+"""The store contract: what the checkpoint hooks and the optimizer bindings call.
+
+A *store* owns one optimizer's streamed state (fp32 main params and Adam
+moments kept in per-bucket files instead of on the accelerator). The plugin
+attaches one store per ``DistributedOptimizer`` instance under ``STORE_ATTR``;
+the checkpoint hooks find the stores there and call ``save_to`` / ``load_from``.
+
+This module imports nothing heavy (no torch): it is the seam between the patched
+Megatron tree and whatever plugin implements the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+# The attribute under which a store hangs on an optimizer instance.
+STORE_ATTR = "_miles_optimizer_state_store"
+
+# Bumped whenever the calls the patched Megatron lines make change shape. The
+# patched tree records the version it was patched for; the plugin refuses a
+# tree patched for another version.
+HOOK_ABI_VERSION = 1
+
+
+@runtime_checkable
+class OptimizerStateStore(Protocol):
+    """The four calls every streamed-state store answers.
+
+    ``step()``
+        Run one optimizer step over all of the store's state, bucket by bucket,
+        leaving the updated params in the model and the state back in storage.
+    ``refresh_main_from_model_params(copy_fn)``
+        Rebuild the fp32 main params from the model params (after the model's
+        weights were loaded or changed outside the optimizer). ``copy_fn(param,
+        main)`` fills ``main`` from ``param``; moments are left as they are.
+    ``save_to(base_dir)``
+        Persist the full streamed state under ``base_dir`` (a checkpoint
+        directory this store owns a subdirectory of). Returns when the bytes are
+        durable.
+    ``load_from(base_dir) -> bool``
+        Restore the state saved by ``save_to``. Returns ``False`` when
+        ``base_dir`` holds no streamed state for this store; raises when it holds
+        state that does not match this store.
+    """
+
+    def step(self) -> Any: ...
+
+    def refresh_main_from_model_params(self, copy_fn: Callable[[Any, Any], None]) -> None: ...
+
+    def save_to(self, base_dir: str) -> None: ...
+
+    def load_from(self, base_dir: str) -> bool: ...

@@ -1,0 +1,1 @@
+"""Plugins for miles; ``miles_plugins.optimizers`` streams optimizer state."""

@@ -1,0 +1,119 @@
+"""Bucket planning and the on-disk layout of one bucket file.
+
+A bucket file holds three segments in this order: ``main`` (fp32),
+``exp_avg`` and ``exp_avg_sq`` (the moment storage dtype). Inside a segment,
+entries follow in bucket order, each slice starting on an ``ALIGNMENT``
+boundary so direct I/O can address it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# O_DIRECT needs file offsets, lengths and buffers aligned to the logical block
+# size; 4096 covers every NVMe and filesystem we target.
+ALIGNMENT = 4096
+
+MAIN_DTYPE = torch.float32
+SEGMENTS = ("main", "exp_avg", "exp_avg_sq")
+MOMENT_SEGMENTS = SEGMENTS[1:]
+
+# Bytes one element costs while materialized on the device: fp32 main and two
+# fp32 moments, whatever the storage dtype.
+MATERIALIZED_BYTES_PER_ELEMENT = 3 * MAIN_DTYPE.itemsize
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan_buckets(numels: Sequence[int], keys: Sequence[Hashable], cap_elements: int) -> list[list[int]]:
+    """Group entry indices by key, then cut each group into buckets of at most
+    ``cap_elements`` elements, keeping entry order.
+
+    Keys are grouped in order of first appearance. An entry larger than the cap
+    gets a bucket of its own; empty entries (0 elements) are dropped.
+    """
+    if cap_elements <= 0:
+        raise ValueError(f"bucket cap must be > 0, got {cap_elements}")
+    if len(numels) != len(keys):
+        raise ValueError(f"{len(numels)} sizes but {len(keys)} keys")
+    by_key: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        by_key.setdefault(key, []).append(index)
+
+    buckets: list[list[int]] = []
+    for indices in by_key.values():
+        current: list[int] = []
+        current_numel = 0
+        for index in indices:
+            numel = numels[index]
+            if numel == 0:
+                continue
+            if current and current_numel + numel > cap_elements:
+                buckets.append(current)
+                current, current_numel = [], 0
+            current.append(index)
+            current_numel += numel
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of a bucket file: where each entry's slice lives."""
+
+    name: str
+    dtype: torch.dtype
+    entry_offsets: tuple[int, ...]  # absolute file offset of each entry's slice
+    entry_nbytes: tuple[int, ...]  # unpadded length of each entry's slice
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The file layout of one streaming bucket."""
+
+    index: int
+    entry_indices: tuple[int, ...]  # indices into the store's entry list
+    numels: tuple[int, ...]
+    segments: dict[str, Segment]
+    file_name: str
+    file_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def materialized_bytes(self) -> int:
+        """Bytes of fp32 state this bucket occupies while it is on the device."""
+        return self.numel * MATERIALIZED_BYTES_PER_ELEMENT
+
+
+def layout_bucket(
+    index: int, entry_indices: Sequence[int], numels: Sequence[int], moment_dtype: torch.dtype
+) -> BucketLayout:
+    """Lay out the segments of one bucket file, every slice aligned."""
+    dtypes = {"main": MAIN_DTYPE, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
+    offset = 0
+    segments = {}
+    for name in SEGMENTS:
+        itemsize = dtypes[name].itemsize
+        offsets, lengths = [], []
+        for numel in numels:
+            offsets.append(offset)
+            lengths.append(numel * itemsize)
+            offset = align_up(offset + numel * itemsize)
+        segments[name] = Segment(name, dtypes[name], tuple(offsets), tuple(lengths))
+    return BucketLayout(
+        index=index,
+        entry_indices=tuple(entry_indices),
+        numels=tuple(numels),
+        segments=segments,
+        file_name=f"bucket_{index:05d}.bin",
+        file_size=offset,
+    )

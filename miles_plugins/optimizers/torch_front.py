@@ -1,0 +1,100 @@
+"""The plain-PyTorch front end: stream the state of an ordinary torch Adam/AdamW."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from miles_plugins.optimizers.adam import backend_for
+from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
+from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore
+
+
+def _fp32_grad(entry: Entry) -> torch.Tensor | None:
+    grad = entry.param.grad
+    return None if grad is None else grad.float()
+
+
+def _copy_main_to_param(entry: Entry) -> None:
+    entry.param.copy_(entry.main)
+
+
+def _copy_param_to_main(param: torch.Tensor, main: torch.Tensor) -> None:
+    main.copy_(param)
+
+
+class StreamedOptimizer:
+    """Runs a ``torch.optim.Adam``/``AdamW`` with its state streamed through files.
+
+    Build the torch optimizer over the model's params as usual (param groups,
+    lr, weight decay, ...), then wrap it before its first step::
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        streamed = StreamedOptimizer(opt, StreamConfig(directory="/nvme/opt"))
+        sched = torch.optim.lr_scheduler.StepLR(opt, 10)   # schedulers drive `opt`
+        ...
+        loss.backward(); streamed.step(); streamed.zero_grad(); sched.step()
+
+    For bf16/fp16 params, ``StreamedOptimizer`` keeps fp32 mains (in the
+    files) and copies the updated mains into the params after each update: the
+    usual mixed-precision recipe, bit for bit. fp32 params are their own
+    mains; their state stays resident, updated by the same optimizer class.
+
+    The wrapped optimizer is the *master*: it is never stepped and holds no
+    state, but its param groups are read at every step, so schedulers and
+    manual lr/weight-decay changes take effect as they would unstreamed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: StreamConfig) -> None:
+        if any(optimizer.state.values()):
+            raise StreamConfigError(
+                "the optimizer already holds state (it has stepped): wrap it before its "
+                "first step, or its resident moments would stay allocated beside the stream"
+            )
+        self.optimizer = optimizer
+        entries = []
+        for group_index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if param.dtype == torch.float32:
+                    main = param
+                else:
+                    # An fp32 main with no storage yet: the store fills it from the
+                    # param one bucket at a time, so all mains never exist at once.
+                    main = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                    main.untyped_storage().resize_(0)
+                entries.append(Entry(param=param, main=main, group_index=group_index))
+        self.store = StreamingStore(
+            entries,
+            backend_for(optimizer),
+            config,
+            grad_fn=_fp32_grad,
+            copy_to_model=_copy_main_to_param,
+            init_main=_copy_param_to_main,
+        )
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self) -> StepStats:
+        """One optimizer step; returns what it moved."""
+        return self.store.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def iter_state(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Yield (param, main, exp_avg, exp_avg_sq) as CPU copies, bucket by bucket."""
+        for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
+            yield self.store.entries[index].param, main, exp_avg, exp_avg_sq
+
+    def close(self) -> None:
+        """Delete the scratch files; the optimizer cannot step afterwards."""
+        self.store.close()
+
+    def __enter__(self) -> StreamedOptimizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
