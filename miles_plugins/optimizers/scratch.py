@@ -153,6 +153,10 @@ class ScratchDir:
         logger.info("purging stale optimizer-state scratch %s", self.path)
         shutil.rmtree(self.path)
 
+    @property
+    def removed(self) -> bool:
+        return self._lock_fd is None
+
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 

@@ -227,6 +227,7 @@ class StreamingStore:
     @torch.no_grad()
     def step(self) -> StepStats:
         """One optimizer step over all state; returns what it moved (also in ``last_step``)."""
+        self._check_open()
         start = time.perf_counter()
         stats = StepStats()
         if self._resident_optimizer is not None:
@@ -250,11 +251,16 @@ class StreamingStore:
 
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
+        self._check_open()
         self._write_mains(copy_fn)
 
     def close(self) -> None:
         """Delete the scratch files and release the directory lock."""
         self.scratch.remove()
+
+    def _check_open(self) -> None:
+        if self.scratch.removed:
+            raise RuntimeError(f"the optimizer-state store at {self.scratch.path} was closed; its state is gone")
 
     # ---- reading the state back (tests, the demo, checkpoint export) ---------
 
@@ -262,6 +268,7 @@ class StreamingStore:
     def iter_state(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Yield (entry index, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket
         in memory at a time; moments are None before the entry's first update."""
+        self._check_open()
         for i in self._resident_entries:
             moments = self._resident_optimizer.moments(self.entries[i].main)
             yield (i, self.entries[i].main.detach().cpu().clone(), *self._cpu_moments(moments))

@@ -34,16 +34,20 @@ class StreamedOptimizer:
         streamed = StreamedOptimizer(opt, StreamConfig(directory="/nvme/opt"))
         sched = torch.optim.lr_scheduler.StepLR(opt, 10)   # schedulers drive `opt`
         ...
-        loss.backward(); streamed.step(); streamed.zero_grad(); sched.step()
+        loss.backward(); opt.step(); opt.zero_grad(); sched.step()
 
     For bf16/fp16 params, ``StreamedOptimizer`` keeps fp32 mains (in the
     files) and copies the updated mains into the params after each update: the
     usual mixed-precision recipe, bit for bit. fp32 params are their own
     mains; their state stays resident, updated by the same optimizer class.
 
-    The wrapped optimizer is the *master*: it is never stepped and holds no
-    state, but its param groups are read at every step, so schedulers and
-    manual lr/weight-decay changes take effect as they would unstreamed.
+    The wrapped optimizer is the *master*: its own update never runs and it
+    holds no state, but its param groups are read at every step, so schedulers
+    and manual lr/weight-decay changes take effect as they would unstreamed.
+    On that instance only, ``step`` is rebound to the streamed step (so
+    ``opt.step()`` and ``streamed.step()`` are the same call, and an LR
+    scheduler sees it), and ``state_dict`` / ``load_state_dict`` refuse: the
+    master holds none of the state they would claim to carry.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: StreamConfig) -> None:
@@ -72,14 +76,29 @@ class StreamedOptimizer:
             copy_to_model=_copy_main_to_param,
             init_main=_copy_param_to_main,
         )
+        optimizer.step = self._streamed_step
+        optimizer.state_dict = self._refuse_state_dict
+        optimizer.load_state_dict = self._refuse_state_dict
 
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
     def step(self) -> StepStats:
-        """One optimizer step; returns what it moved."""
+        """One optimizer step; returns what it moved. Same as the master's ``step()``."""
+        return self.optimizer.step()
+
+    def _streamed_step(self, closure: None = None) -> StepStats:
+        if closure is not None:
+            raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
         return self.store.step()
+
+    @staticmethod
+    def _refuse_state_dict(*args, **kwargs):
+        raise StreamConfigError(
+            "this optimizer's state is streamed: its state_dict would hold none of the moments "
+            "or fp32 mains; read them with StreamedOptimizer.iter_state()"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
