@@ -19,9 +19,10 @@ MOMENT_DTYPES: dict[str, torch.dtype] = {
     "fp8e5m2": torch.float8_e5m2,
 }
 
-# fp8 has too little range for exp_avg_sq (squared gradients span many decades)
-# unless it is scaled, which this store does not do.
-UNSAFE_MOMENT_DTYPES = frozenset({"fp8e4m3", "fp8e5m2"})
+# fp8 and fp16 have too little range for exp_avg_sq (squared gradients span many
+# decades, far below fp16's 6e-8 smallest subnormal) unless it is scaled, which
+# this store does not do: an underflowed exp_avg_sq turns the update into m / eps.
+UNSAFE_MOMENT_DTYPES = frozenset({"fp16", "fp8e4m3", "fp8e5m2"})
 
 # 200M elements per streaming bucket: 2.4 GB of fp32 state, large enough for
 # efficient sequential I/O, small enough that a few in flight fit beside the model.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +23,13 @@ def _copy_main_to_param(entry: Entry) -> None:
 
 def _copy_param_to_main(param: torch.Tensor, main: torch.Tensor) -> None:
     main.copy_(param)
+
+
+def _refuse_state_dict(master: torch.optim.Optimizer, *args, **kwargs):
+    raise StreamConfigError(
+        "this optimizer's state is streamed: its state_dict would hold none of the moments "
+        "or fp32 mains; read them with StreamedOptimizer.iter_state()"
+    )
 
 
 class StreamedOptimizer:
@@ -76,9 +84,18 @@ class StreamedOptimizer:
             copy_to_model=_copy_main_to_param,
             init_main=_copy_param_to_main,
         )
-        optimizer.step = self._streamed_step
-        optimizer.state_dict = self._refuse_state_dict
-        optimizer.load_state_dict = self._refuse_state_dict
+        store = self.store
+
+        def streamed_step(master: torch.optim.Optimizer, closure: None = None) -> StepStats:
+            if closure is not None:
+                raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
+            return store.step()
+
+        # Bound as methods of the instance (not of the class): LR schedulers re-wrap
+        # `step` through its __func__, which must take the optimizer as first argument.
+        optimizer.step = types.MethodType(streamed_step, optimizer)
+        optimizer.state_dict = types.MethodType(_refuse_state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(_refuse_state_dict, optimizer)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -87,18 +104,6 @@ class StreamedOptimizer:
     def step(self) -> StepStats:
         """One optimizer step; returns what it moved. Same as the master's ``step()``."""
         return self.optimizer.step()
-
-    def _streamed_step(self, closure: None = None) -> StepStats:
-        if closure is not None:
-            raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
-        return self.store.step()
-
-    @staticmethod
-    def _refuse_state_dict(*args, **kwargs):
-        raise StreamConfigError(
-            "this optimizer's state is streamed: its state_dict would hold none of the moments "
-            "or fp32 mains; read them with StreamedOptimizer.iter_state()"
-        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -1,0 +1,93 @@
+"""Streamed (fp32 storage) vs an independent resident run: byte-equal after 20+ steps."""
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from tests.unit.reference import Net, between_steps, groups, loss_fn, reference_run, same_bytes, schedule
+
+STEPS = 22
+
+
+def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, **config):
+    model = Net(dtype, fp32_extra)
+    optimizer = opt_cls(groups(model))
+    config.setdefault("bucket_cap_elements", 1500)
+    streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(directory), **config))
+    scheduler = schedule(optimizer)  # after wrapping, so it wraps the streamed step
+    for step in range(steps):
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
+    state = [by_param[id(p)] for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], state, streamed
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dtype):
+    ref_params, ref_state = reference_run(opt_cls, dtype, STEPS)
+    params, state, streamed = streamed_run(opt_cls, dtype, STEPS, tmp_path)
+    if dtype != torch.float32:
+        assert len(streamed.store.buckets) >= 3, "the test must exercise several buckets"
+    for a, b in zip(ref_params, params, strict=True):
+        assert same_bytes(a, b)
+    for ref, got in zip(ref_state, state, strict=True):
+        for a, b in zip(ref, got, strict=True):
+            assert same_bytes(a, b)
+    streamed.close()
+
+
+def test_lr_schedule_and_weight_decay_changes_reach_every_bucket(tmp_path):
+    """Without the mid-run changes the two runs must differ: the changes really matter."""
+    _, state, streamed = streamed_run(torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path)
+    streamed.close()
+    model = Net(torch.bfloat16)
+    optimizer = torch.optim.AdamW(groups(model))
+    with StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), bucket_cap_elements=1500)) as frozen:
+        for step in range(STEPS):
+            loss_fn(model, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        frozen_mains = {id(p): main for p, main, _, _ in frozen.iter_state()}
+    mains = [s[0] for s in state]
+    assert not all(torch.equal(a, frozen_mains[id(p)]) for a, p in zip(mains, model.parameters(), strict=True))
+
+
+def test_params_without_grad_are_skipped_like_torch(tmp_path):
+    """A param with no grad in a step is not updated and its step count does not advance."""
+    torch.manual_seed(0)
+    frozen_every_other = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    always = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    ref_a = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    ref_b = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    ref_a.load_state_dict(frozen_every_other.state_dict())
+    ref_b.load_state_dict(always.state_dict())
+    params = [*frozen_every_other.parameters(), *always.parameters()]
+    ref_params = [*ref_a.parameters(), *ref_b.parameters()]
+    mains = [p.detach().float().clone() for p in ref_params]
+    ref_opt = torch.optim.AdamW(mains, lr=1e-2)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    with StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), bucket_cap_elements=100)):
+        for step in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            for net_a, net_b, ps, opt, ms in (
+                (frozen_every_other, always, params, optimizer, None),
+                (ref_a, ref_b, ref_params, ref_opt, mains),
+            ):
+                out = net_b(x) if step % 2 else net_b(net_a(x))
+                out.float().sum().backward()
+                if ms is not None:
+                    for p, m in zip(ps, ms, strict=True):
+                        m.grad = None if p.grad is None else p.grad.float()
+                opt.step()
+                if ms is not None:
+                    with torch.no_grad():
+                        for p, m in zip(ps, ms, strict=True):
+                            p.copy_(m)
+                for p in ps:
+                    p.grad = None
+        for a, b in zip(params, ref_params, strict=True):
+            assert same_bytes(a.detach(), b.detach())
