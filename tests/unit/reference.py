@@ -49,7 +49,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(model: Net, step: int) -> torch.Tensor:
-    x, y = batch(step)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in batch(step))
     return torch.nn.functional.mse_loss(model(x), y)
 
 
@@ -60,9 +61,9 @@ def between_steps(optimizer: torch.optim.Optimizer, scheduler, step: int) -> Non
         optimizer.param_groups[0]["weight_decay"] = NEW_WEIGHT_DECAY
 
 
-def reference_run(opt_cls, dtype: torch.dtype, steps: int, fp32_extra: bool = True):
+def reference_run(opt_cls, dtype: torch.dtype, steps: int, fp32_extra: bool = True, device: str = "cpu"):
     """Train resident; return (params, [(main, exp_avg, exp_avg_sq)]) in model order."""
-    model = Net(dtype, fp32_extra)
+    model = Net(dtype, fp32_extra).to(device)
     params = list(model.parameters())
     mains = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in params]
     optimizer = opt_cls(groups(model, mains))
@@ -79,8 +80,11 @@ def reference_run(opt_cls, dtype: torch.dtype, steps: int, fp32_extra: bool = Tr
                     p.copy_(main)
         model.zero_grad(set_to_none=True)
         between_steps(optimizer, scheduler, step)
-    state = [(m.detach().clone(), optimizer.state[m]["exp_avg"], optimizer.state[m]["exp_avg_sq"]) for m in mains]
-    return [p.detach().clone() for p in params], state
+    state = [
+        tuple(t.detach().cpu().clone() for t in (m, optimizer.state[m]["exp_avg"], optimizer.state[m]["exp_avg_sq"]))
+        for m in mains
+    ]
+    return [p.detach().cpu().clone() for p in params], state
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

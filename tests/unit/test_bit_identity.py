@@ -9,8 +9,8 @@ from tests.unit.reference import Net, between_steps, groups, loss_fn, reference_
 STEPS = 22
 
 
-def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, **config):
-    model = Net(dtype, fp32_extra)
+def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, device="cpu", **config):
+    model = Net(dtype, fp32_extra).to(device)
     optimizer = opt_cls(groups(model))
     config.setdefault("bucket_cap_elements", 1500)
     streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(directory), **config))
@@ -22,7 +22,7 @@ def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, **config):
         between_steps(optimizer, scheduler, step)
     by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
     state = [by_param[id(p)] for p in model.parameters()]
-    return [p.detach().clone() for p in model.parameters()], state, streamed
+    return [p.detach().cpu().clone() for p in model.parameters()], state, streamed
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])

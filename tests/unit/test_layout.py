@@ -44,7 +44,7 @@ def test_every_slice_is_aligned_and_segments_do_not_overlap(dtype):
             assert nbytes == numel * segment.dtype.itemsize
             spans.append((offset, offset + nbytes))
     spans.sort()
-    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     assert layout.file_size % ALIGNMENT == 0 and layout.file_size >= spans[-1][1]
 
 

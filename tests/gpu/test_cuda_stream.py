@@ -1,0 +1,35 @@
+"""GPU tier for the store engine: CUDA tensors through the pinned staging buffer, bit for bit."""
+
+import os
+
+import pytest
+import torch
+
+from tests.unit.reference import reference_run, same_bytes
+from tests.unit.test_bit_identity import STEPS, streamed_run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dtype):
+    control_params, _ = reference_run(opt_cls, dtype, STEPS, device="cuda")
+    ref_params, ref_state = reference_run(opt_cls, dtype, STEPS, device="cuda")
+    assert all(same_bytes(a, b) for a, b in zip(control_params, ref_params, strict=True)), "control run differs"
+    params, state, streamed = streamed_run(opt_cls, dtype, STEPS, tmp_path, device="cuda")
+    assert streamed.store._engine.staging.tensor.is_pinned()
+    for a, b in zip(ref_params, params, strict=True):
+        assert same_bytes(a, b)
+    for ref, got in zip(ref_state, state, strict=True):
+        for a, b in zip(ref, got, strict=True):
+            assert same_bytes(a, b)
+    streamed.close()

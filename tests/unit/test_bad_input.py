@@ -1,0 +1,153 @@
+"""Bad input gets a clear error, and nothing is written."""
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
+from miles_plugins.optimizers.io import StagingBuffer, SyncFileEngine
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bf16_model():
+    return torch.nn.Linear(64, 64).to(torch.bfloat16)
+
+
+def _wrap(directory, model=None, **kw):
+    model = model or _bf16_model()
+    return StreamedOptimizer(torch.optim.AdamW(model.parameters()), StreamConfig(directory=str(directory), **kw))
+
+
+@pytest.mark.parametrize("name", ["fp64", "bfloat16", "", "FP32"])
+def test_unknown_moment_dtype_is_refused(tmp_path, name):
+    with pytest.raises(StreamConfigError, match="unknown moment dtype .* choose one of fp32, bf16"):
+        StreamConfig(directory=str(tmp_path), moment_dtype=name)
+
+
+@pytest.mark.parametrize("cap", [0, -1])
+def test_non_positive_bucket_cap_is_refused(tmp_path, cap):
+    with pytest.raises(StreamConfigError, match="bucket cap must be > 0"):
+        StreamConfig(directory=str(tmp_path), bucket_cap_elements=cap)
+
+
+@pytest.mark.parametrize("chunk", [0, -5, 1.5])
+def test_bad_staging_chunk_is_refused(tmp_path, chunk):
+    with pytest.raises(StreamConfigError, match="staging chunk"):
+        StreamConfig(directory=str(tmp_path), staging_chunk_mb=chunk)
+
+
+def test_directory_under_a_file_cannot_be_created(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StreamConfigError, match="cannot create state directory .* not a directory"):
+        _wrap(blocker / "state")
+    assert blocker.read_text() == "x"
+
+
+def test_unwritable_directory_is_refused_before_writing(tmp_path):
+    """Root passes every permission check, so as root the directory sits on a
+    read-only mount (in a private mount namespace); otherwise a 0555 directory."""
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    code = textwrap.dedent(f"""
+        import os, torch
+        from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer
+        m = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        try:
+            StreamedOptimizer(torch.optim.AdamW(m.parameters()), StreamConfig(directory={str(parent / "state")!r}))
+        except StreamConfigError as exc:
+            print("REFUSED:", exc)
+        print("ENTRIES:", os.listdir({str(parent)!r}))
+    """)
+    command = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        if shutil.which("unshare") is None:
+            pytest.skip("running as root without unshare: no way to make a directory unwritable")
+        mount = f"mount -t tmpfs -o ro tmpfs {shlex.quote(str(parent))} && exec {shlex.join(command)}"
+        command = ["unshare", "-rm", "sh", "-c", mount]
+    else:
+        os.chmod(parent, 0o555)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert "REFUSED:" in result.stdout, result.stdout + result.stderr
+    assert "not writable" in result.stdout
+    assert "ENTRIES: []" in result.stdout
+
+
+def test_not_enough_free_space_says_how_much_before_writing(tmp_path):
+    # Meta tensors describe a 12 TB state without allocating it; the preflight
+    # runs before any byte is materialized or written.
+    huge = torch.nn.Parameter(torch.empty(10**12, dtype=torch.bfloat16, device="meta"))
+    directory = tmp_path / "state"
+    with pytest.raises(StreamConfigError, match=r"not enough free space .* needs .*GiB .* free"):
+        StreamedOptimizer(torch.optim.AdamW([huge]), StreamConfig(directory=str(directory)))
+    assert not directory.exists()
+
+
+def test_tmpfs_directory_works_with_a_warning(caplog):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    from miles_plugins.optimizers.scratch import filesystem_type
+
+    if filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    model = _bf16_model()
+    with caplog.at_level(logging.WARNING):
+        streamed = _wrap(f"/dev/shm/miles-test-{os.getpid()}", model=model, name="tmpfs-test")
+    assert "host RAM" in caplog.text
+    model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    streamed.step()
+    streamed.close()
+    os.rmdir(f"/dev/shm/miles-test-{os.getpid()}")
+
+
+def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
+    model = _bf16_model()
+    streamed = _wrap(tmp_path, model=model)
+    (bucket,) = streamed.store.buckets
+    path = streamed.store.scratch.file(bucket.file_name)
+    os.truncate(path, 1000)
+    model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(StreamIOError, match=r"short read of .*bucket_00000.bin at offset 1000") as info:
+        streamed.step()
+    assert info.value.path == path and info.value.offset == 1000
+    streamed.close()
+
+
+def test_write_error_names_file_and_offset(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * 8192)
+    fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
+    try:
+        engine = SyncFileEngine(StagingBuffer(4096, pin=False))
+        with pytest.raises(StreamIOError, match=r"write of .*f.bin failed at offset 4096") as info:
+            engine.write(fd, str(path), 4096, torch.ones(100, dtype=torch.uint8))
+        assert info.value.offset == 4096
+    finally:
+        os.close(fd)
+
+
+def test_unsupported_optimizers_are_refused(tmp_path):
+    model = _bf16_model()
+    with pytest.raises(StreamConfigError, match="cannot stream the state of torch.optim.sgd.SGD"):
+        StreamedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), StreamConfig(directory=str(tmp_path)))
+    with pytest.raises(StreamConfigError, match="amsgrad"):
+        StreamedOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), StreamConfig(directory=str(tmp_path)))
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_optimizer_that_already_stepped_is_refused(tmp_path):
+    model = _bf16_model().float()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    with pytest.raises(StreamConfigError, match="before its first step"):
+        StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path)))

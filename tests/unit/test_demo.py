@@ -1,0 +1,49 @@
+"""`make demo`'s program: its JSON report and its refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.unit.test_bad_input import REPO
+
+
+def _demo(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "miles_plugins.demo", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=cwd,
+    )
+
+
+def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
+    result = _demo("--steps", "4", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 4
+    assert report["bit_identical"] is True
+    assert report["moment_dtype"] == "fp32"
+    assert report["state_bytes_total"] >= 8 * report["bucket_bytes_max"]
+    assert 0 < report["max_resident_state_bytes"] <= report["buckets_in_flight"] * report["bucket_bytes_max"]
+    # Step 1 reads mains only (4 B/elem); later steps read mains and both moments.
+    elements = report["state_bytes_total"] // 12
+    assert report["bytes_read"] == 4 * elements + 3 * 12 * elements
+    assert report["bytes_written"] == 4 * 12 * elements
+    assert os.listdir(tmp_path) == [], "the demo must remove its scratch directory"
+
+
+def test_demo_with_bf16_moments_is_not_bit_identical_but_succeeds(tmp_path):
+    result = _demo("--steps", "3", "--moment-dtype", "bf16", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["moment_dtype"] == "bf16" and report["bit_identical"] is False
+
+
+def test_demo_refuses_a_bad_bucket_cap_cleanly(tmp_path):
+    result = _demo("--steps", "2", "--bucket-cap", "0", "--dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "error: bucket cap must be > 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == []

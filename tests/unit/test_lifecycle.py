@@ -1,0 +1,145 @@
+"""Storage released between steps, lazy moments, residency bound, counters, refresh."""
+
+import logging
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from tests.unit.reference import same_bytes
+
+
+def _model():
+    torch.manual_seed(3)
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(32, 32), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _backward(model, step):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+
+
+def _streamed(tmp_path, model, cap=2000, **kw):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return optimizer, StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), bucket_cap_elements=cap, **kw))
+
+
+def _storage_bytes(streamed):
+    store = streamed.store
+    total = 0
+    for bucket, optimizer in zip(store.buckets, store._bucket_optimizers, strict=True):
+        for i in bucket.entry_indices:
+            main = store.entries[i].main
+            total += main.untyped_storage().nbytes()
+            for moment in optimizer.moments(main) or ():
+                total += moment.untyped_storage().nbytes()
+    return total
+
+
+def test_state_storage_is_released_between_steps(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    assert _storage_bytes(streamed) == 0, "mains must be released right after they are written"
+    for step in range(3):
+        _backward(model, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert _storage_bytes(streamed) == 0
+        assert all(streamed.store.entries[i].main.grad is None for b in streamed.store.buckets for i in b.entry_indices)
+    streamed.close()
+
+
+def test_first_step_reads_only_mains_and_creates_moments(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    store = streamed.store
+    main_bytes = sum(4 * b.numel for b in store.buckets)
+    _backward(model, 0)
+    first = optimizer.step()
+    assert first.bytes_read == main_bytes
+    assert first.bytes_written == 3 * main_bytes
+    _backward(model, 1)
+    second = optimizer.step()
+    assert second.bytes_read == 3 * main_bytes
+    assert second.buckets == len(store.buckets) >= 3
+    assert store.total.bytes_read == first.bytes_read + second.bytes_read
+    streamed.close()
+
+
+def test_residency_never_exceeds_one_bucket(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    for step in range(3):
+        _backward(model, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    store = streamed.store
+    assert store.state_bytes_total >= 4 * store.bucket_bytes_max
+    assert 0 < store.max_resident_state_bytes <= store.bucket_bytes_max
+    streamed.close()
+
+
+def test_each_step_logs_one_info_line(tmp_path, caplog):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    _backward(model, 0)
+    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.store"):
+        optimizer.step()
+    lines = [r.getMessage() for r in caplog.records if "streamed optimizer step" in r.getMessage()]
+    assert len(lines) == 1 and f"{len(streamed.store.buckets)} buckets" in lines[0]
+    streamed.close()
+
+
+def test_refresh_rebuilds_mains_from_model_params(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    _backward(model, 0)
+    optimizer.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    streamed.store.refresh_main_from_model_params(lambda param, main: main.copy_(param))
+    for _, main, exp_avg, _ in streamed.iter_state():
+        assert torch.equal(main, torch.full_like(main, 0.5))
+        assert exp_avg is not None and exp_avg.abs().sum() > 0, "refresh must leave the moments alone"
+    streamed.close()
+
+
+def test_fp32_params_stay_resident_and_warn_when_large(tmp_path, caplog):
+    big = torch.nn.Linear(64, 64)  # fp32: its main is the param itself
+    optimizer = torch.optim.AdamW(big.parameters())
+    with caplog.at_level(logging.WARNING):
+        streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), resident_warn_elements=1000))
+    assert streamed.store.buckets == []
+    assert "stay resident" in caplog.text
+    before = big.weight.detach().clone()
+    big(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, big.weight)
+    streamed.close()
+
+
+def test_state_dict_of_a_streamed_optimizer_refuses(tmp_path):
+    optimizer, streamed = _streamed(tmp_path, _model())
+    with pytest.raises(Exception, match="streamed"):
+        optimizer.state_dict()
+    streamed.close()
+
+
+def test_a_closed_store_refuses_to_step(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    streamed.close()
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match="closed"):
+        optimizer.step()
+
+
+def test_mains_reflect_the_params_they_were_built_from(tmp_path):
+    model = _model()
+    _, streamed = _streamed(tmp_path, model)
+    for p, main, exp_avg, exp_avg_sq in streamed.iter_state():
+        assert same_bytes(main, p.detach().float())
+        assert exp_avg is None and exp_avg_sq is None
+    streamed.close()
