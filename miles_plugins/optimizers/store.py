@@ -177,8 +177,7 @@ class StreamingStore:
         # Checks free space and the directory before anything is written.
         self.scratch = ScratchDir(config.directory, config.name, sum(b.file_size for b in self.buckets))
         try:
-            pin = any(self.entries[i].main.is_cuda for i in streamed)
-            self._engine = SyncFileEngine(StagingBuffer(config.staging_bytes, pin=pin))
+            self._engine = SyncFileEngine(StagingBuffer(config.staging_bytes, pin=torch.cuda.is_available()))
             for bucket in self.buckets:
                 path = self.scratch.file(bucket.file_name)
                 fd = open_bucket_file(path, create=True)
