@@ -1,0 +1,128 @@
+"""The argument layer: real-world flag combinations accepted, the refused ones refused with reasons."""
+
+import argparse
+
+import pytest
+
+from miles_plugins.optimizers import StreamConfigError
+from miles_plugins.optimizers.args import add_arguments, default_directory, validate_args
+
+# The miles/Megatron fields these checks read, at their launcher defaults.
+BASE = dict(
+    use_distributed_optimizer=True,
+    optimizer="adam",
+    lora_rank=0,
+    lora_adapter_path=None,
+    multi_lora=False,
+    optimizer_cpu_offload=False,
+    offload_optimizer_states=False,
+    use_precision_aware_optimizer=False,
+    reset_optimizer_states=False,
+    save_local_weight_checksum=False,
+    enable_witness=False,
+    indep_dp=False,
+    offload_train=False,
+    offload_train_target=None,
+    no_load_optim=False,
+    stream_optimizer_state_to_disk=True,
+    stream_optimizer_state_moment_dtype="fp32",
+    offload_train_disk_dir="/nvme/state",
+    offload_train_disk_chunk_mb=64,
+)
+
+ACCEPTED = {
+    "streaming with defaults": {},
+    "streaming with disk training offload": dict(offload_train=True, offload_train_target="disk"),
+    "streaming with bf16 moments": dict(stream_optimizer_state_moment_dtype="bf16"),
+    "streaming with no_load_optim": dict(no_load_optim=True),
+    "streaming with colocate and no weights backuper": dict(colocate=True, disable_weights_backuper=True),
+    # Off: nothing is checked, whatever else is set (LoRA suites pass these legitimately).
+    "off: LoRA with colocate and no weights backuper": dict(
+        stream_optimizer_state_to_disk=False, lora_rank=16, colocate=True, disable_weights_backuper=True
+    ),
+    "off: CPU optimizer offload": dict(stream_optimizer_state_to_disk=False, optimizer_cpu_offload=True),
+    "off: sgd without distributed optimizer": dict(
+        stream_optimizer_state_to_disk=False, optimizer="sgd", use_distributed_optimizer=False
+    ),
+    "off: cpu training offload": dict(
+        stream_optimizer_state_to_disk=False, offload_train=True, offload_train_target="cpu"
+    ),
+}
+
+REFUSED = {
+    "no distributed optimizer": (dict(use_distributed_optimizer=False), "--use-distributed-optimizer is off"),
+    "sgd": (dict(optimizer="sgd"), "--optimizer is 'sgd'"),
+    "lora rank": (dict(lora_rank=8), "LoRA"),
+    "lora adapter": (dict(lora_adapter_path="/ckpt/adapter"), "LoRA"),
+    "multi-lora": (dict(multi_lora=True), "multi-LoRA"),
+    "cpu optimizer offload": (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload"),
+    "optimizer state offload": (dict(offload_optimizer_states=True), "--offload-optimizer-states"),
+    "precision-aware optimizer": (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
+    "reset optimizer states": (dict(reset_optimizer_states=True), "silently do nothing"),
+    "local weight checksum": (dict(save_local_weight_checksum=True), "evicted"),
+    "witness": (dict(enable_witness=True), "--enable-witness"),
+    "indep dp": (dict(indep_dp=True), "collide"),
+    "cpu training offload": (dict(offload_train=True, offload_train_target="cpu"), "targets 'cpu'"),
+    "training offload without target": (dict(offload_train=True), "targets None"),
+    "bad chunk": (dict(offload_train_disk_chunk_mb=0), "positive number of MiB"),
+}
+
+
+def _ns(**overrides):
+    return argparse.Namespace(**{**BASE, **overrides})
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_real_world_combinations_are_accepted(overrides):
+    args = _ns(**overrides)
+    before = vars(args).copy()
+    validate_args(args)
+    assert vars(args) == before, "validation must not change a complete namespace"
+
+
+@pytest.mark.parametrize("overrides, reason", REFUSED.values(), ids=REFUSED.keys())
+def test_incompatible_settings_are_refused_with_their_reason(overrides, reason):
+    with pytest.raises(StreamConfigError, match="--stream-optimizer-state-to-disk cannot be used with") as info:
+        validate_args(_ns(**overrides))
+    assert reason in str(info.value)
+
+
+def test_every_violation_is_reported_at_once():
+    with pytest.raises(StreamConfigError) as info:
+        validate_args(_ns(indep_dp=True, enable_witness=True))
+    assert "--indep-dp" in str(info.value) and "--enable-witness" in str(info.value)
+
+
+def test_fields_a_launcher_lacks_read_as_defaults():
+    validate_args(argparse.Namespace(stream_optimizer_state_to_disk=True, use_distributed_optimizer=True))
+
+
+def test_streaming_off_changes_nothing_even_without_a_directory():
+    args = argparse.Namespace(stream_optimizer_state_to_disk=False, offload_train_disk_dir=None)
+    validate_args(args)
+    assert args.offload_train_disk_dir is None
+
+
+@pytest.mark.parametrize("scratch, root", [("/lustre/me", "/lustre/me"), (None, "/scratch")])
+def test_missing_directory_defaults_under_scratch(monkeypatch, scratch, root):
+    if scratch is None:
+        monkeypatch.delenv("SCRATCH", raising=False)
+    else:
+        monkeypatch.setenv("SCRATCH", scratch)
+    args = _ns(offload_train_disk_dir=None)
+    validate_args(args)
+    assert args.offload_train_disk_dir == default_directory()
+    assert args.offload_train_disk_dir.startswith(root + "/optimizer_state_")
+
+
+def test_parser_gets_the_flags_and_keeps_shared_ones_it_already_has():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--offload-train-disk-dir", default="/launcher/default")
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-optimizer-state-to-disk", "--stream-optimizer-state-moment-dtype", "bf16"])
+    assert args.stream_optimizer_state_to_disk is True
+    assert args.stream_optimizer_state_moment_dtype == "bf16"
+    assert args.offload_train_disk_dir == "/launcher/default"
+    assert args.offload_train_disk_chunk_mb == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stream-optimizer-state-moment-dtype", "fp64"])
