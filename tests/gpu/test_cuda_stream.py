@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tests.unit.reference import reference_run, same_bytes
+from tests.unit.reference import assert_same_training, reference_run, same_bytes
 from tests.unit.test_bit_identity import STEPS, streamed_run
 
 pytestmark = pytest.mark.gpu
@@ -27,9 +27,5 @@ def test_cuda_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dt
     assert all(same_bytes(a, b) for a, b in zip(control_params, ref_params, strict=True)), "control run differs"
     params, state, streamed = streamed_run(opt_cls, dtype, STEPS, tmp_path, device="cuda")
     assert streamed.store._engine.staging.tensor.is_pinned()
-    for a, b in zip(ref_params, params, strict=True):
-        assert same_bytes(a, b)
-    for ref, got in zip(ref_state, state, strict=True):
-        for a, b in zip(ref, got, strict=True):
-            assert same_bytes(a, b)
+    assert_same_training((ref_params, ref_state), (params, state))
     streamed.close()

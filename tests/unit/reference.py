@@ -93,3 +93,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
+
+
+def assert_same_training(reference, streamed) -> None:
+    """Both are (params, [(main, exp_avg, exp_avg_sq)]) in model order; every byte must match."""
+    (ref_params, ref_state), (params, state) = reference, streamed
+    for a, b in zip(ref_params, params, strict=True):
+        assert same_bytes(a, b)
+    for ref, got in zip(ref_state, state, strict=True):
+        for a, b in zip(ref, got, strict=True):
+            assert same_bytes(a, b)

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from tests.unit.reference import Net, between_steps, groups, loss_fn, reference_run, same_bytes, schedule
+from tests.unit.reference import (
+    Net,
+    assert_same_training,
+    between_steps,
+    groups,
+    loss_fn,
+    reference_run,
+    same_bytes,
+    schedule,
+)
 
 STEPS = 22
 
@@ -32,11 +41,7 @@ def test_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dtype):
     params, state, streamed = streamed_run(opt_cls, dtype, STEPS, tmp_path)
     if dtype != torch.float32:
         assert len(streamed.store.buckets) >= 3, "the test must exercise several buckets"
-    for a, b in zip(ref_params, params, strict=True):
-        assert same_bytes(a, b)
-    for ref, got in zip(ref_state, state, strict=True):
-        for a, b in zip(ref, got, strict=True):
-            assert same_bytes(a, b)
+    assert_same_training((ref_params, ref_state), (params, state))
     streamed.close()
 
 
