@@ -10,8 +10,10 @@ optimizer step, so whatever step counter the class keeps (per param for
 torch, per group for the fused Adams) advances once per optimizer step.
 
 Backends differ in where that counter lives and how the class is constructed;
-:func:`backend_for` picks one by the master's type. The TE and apex FusedAdam
-backends plug in beside :class:`TorchAdamBackend` with the Megatron binding.
+:func:`backend_for` picks one by the master's exact type.
+``megatron.core.optimizer.Adam`` is Transformer Engine's FusedAdam, apex's
+FusedAdam or ``torch.optim.AdamW``, depending on what is installed: all three
+have a backend here.
 """
 
 from __future__ import annotations
@@ -58,8 +60,15 @@ class AdamBackend:
         self.master = master
         self._constructor_kwargs = self._options_for_constructor(master)
 
-    @staticmethod
-    def _options_for_constructor(master: torch.optim.Optimizer) -> dict:
+    @classmethod
+    def serves(cls, master: torch.optim.Optimizer) -> bool:
+        return type(master) in cls.master_types
+
+    @classmethod
+    def describe(cls) -> list[str]:
+        return [f"{t.__module__}.{t.__qualname__}" for t in cls.master_types]
+
+    def _options_for_constructor(self, master: torch.optim.Optimizer) -> dict:
         accepted = inspect.signature(type(master).__init__).parameters
         return {k: v for k, v in master.defaults.items() if k in accepted and k != "params"}
 
@@ -94,15 +103,74 @@ class TorchAdamBackend(AdamBackend):
         super().__init__(master)
 
 
-BACKENDS: tuple[type[AdamBackend], ...] = (TorchAdamBackend,)
+# FusedAdam classes, named by (module, qualname) so that matching a master never
+# imports Transformer Engine or apex (importing either can fail or take seconds).
+FUSED_ADAM_CLASSES = frozenset(
+    {
+        ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
+        ("apex.optimizers.fused_adam", "FusedAdam"),
+    }
+)
+
+# FusedAdam attributes that change what the state is (fp32 master weights held by
+# the optimizer, decoupled grads, narrow or remainder-coded state) or where the
+# step counter lives (capturable): Megatron sets them only for the precision-aware
+# optimizer or CUDA-graphed steps, neither of which can be streamed.
+_FUSED_ADAM_REFUSED = (
+    ("capturable", "a capturable (CUDA-graphed) step keeps lr and the step count as device tensors"),
+    ("master_weights", "the optimizer holds its own fp32 master weights (precision-aware optimizer)"),
+    ("use_master", "the optimizer holds its own fp32 master weights"),
+    ("use_decoupled_grad", "grads come from .decoupled_grad (precision-aware optimizer)"),
+    ("store_param_remainders", "the optimizer stores master-weight remainders itself"),
+)
+
+
+class FusedAdamBackend(AdamBackend):
+    """Transformer Engine's and apex's ``FusedAdam``.
+
+    Both keep the step count per param *group* (``group["step"]``, advanced once
+    per ``step()`` for every non-empty group), so it is bucket state, never copied
+    from the master. AdamW vs Adam is the ``adam_w_mode`` constructor argument,
+    which the class keeps as an attribute (not in ``defaults``): it is passed on.
+    """
+
+    group_state_keys = frozenset({"step"})
+
+    @classmethod
+    def serves(cls, master: torch.optim.Optimizer) -> bool:
+        return (type(master).__module__, type(master).__qualname__) in FUSED_ADAM_CLASSES
+
+    @classmethod
+    def describe(cls) -> list[str]:
+        return [f"{module}.{name}" for module, name in sorted(FUSED_ADAM_CLASSES)]
+
+    def __init__(self, master: torch.optim.Optimizer) -> None:
+        name = f"{type(master).__module__}.{type(master).__qualname__}"
+        for attr, why in _FUSED_ADAM_REFUSED:
+            if getattr(master, attr, False):
+                raise StreamConfigError(f"{name} has {attr} set: {why}; streaming needs plain fp32 Adam state")
+        for attr in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dtype = getattr(master, attr, torch.float32)
+            if dtype != torch.float32:
+                raise StreamConfigError(
+                    f"{name} keeps {attr}={dtype}: streaming stores the state in its own format "
+                    "(--stream-optimizer-state-moment-dtype); build the optimizer with fp32 state"
+                )
+        super().__init__(master)
+
+    def _options_for_constructor(self, master: torch.optim.Optimizer) -> dict:
+        return {**super()._options_for_constructor(master), "adam_w_mode": bool(master.adam_w_mode)}
+
+
+BACKENDS: tuple[type[AdamBackend], ...] = (TorchAdamBackend, FusedAdamBackend)
 
 
 def backend_for(master: torch.optim.Optimizer) -> AdamBackend:
     """The backend for ``master``'s exact type; refuses any other optimizer."""
     for backend in BACKENDS:
-        if type(master) in backend.master_types:
+        if backend.serves(master):
             return backend(master)
-    supported = ", ".join(f"{t.__module__}.{t.__qualname__}" for b in BACKENDS for t in b.master_types)
+    supported = ", ".join(name for b in BACKENDS for name in b.describe())
     raise StreamConfigError(
         f"cannot stream the state of {type(master).__module__}.{type(master).__qualname__}: "
         f"the per-bucket step must reproduce its exact math, which is known for {supported}"

@@ -16,13 +16,14 @@ import contextlib
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from miles_plugins.optimizers.adam import AdamBackend, BucketOptimizer
-from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
 from miles_plugins.optimizers.io import StagingBuffer, SyncFileEngine, open_bucket_file, preallocate
 from miles_plugins.optimizers.layout import (
     MATERIALIZED_BYTES_PER_ELEMENT,
@@ -407,3 +408,30 @@ class StreamingStore:
                         self._engine.write(fd, path, segment.entry_offsets[k], _bytes_of(entry.main))
                     finally:
                         self._residency.release(entry.main)
+
+
+def bind_master(master: torch.optim.Optimizer, store: StreamingStore, *, read_state_with: str) -> None:
+    """Route ``master``'s own entry points to ``store``, on this instance only.
+
+    The master optimizer holds no state once its state streams: its ``step``
+    becomes the streamed step, and ``state_dict`` / ``load_state_dict`` refuse
+    (they would claim a state without moments or mains). ``read_state_with``
+    tells the caller where the state can be read instead.
+    """
+
+    def streamed_step(self: torch.optim.Optimizer, closure: None = None) -> StepStats:
+        if closure is not None:
+            raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
+        return store.step()
+
+    def refuse_state_dict(self: torch.optim.Optimizer, *args, **kwargs):
+        raise StreamConfigError(
+            "this optimizer's state is streamed: its state_dict would hold none of the moments "
+            f"or fp32 mains; read them with {read_state_with}"
+        )
+
+    # Bound as methods of the instance (not of the class): LR schedulers re-wrap
+    # `step` through its __func__, which must take the optimizer as first argument.
+    master.step = types.MethodType(streamed_step, master)
+    master.state_dict = types.MethodType(refuse_state_dict, master)
+    master.load_state_dict = types.MethodType(refuse_state_dict, master)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 
 import torch
 
 from miles_plugins.optimizers.adam import backend_for
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore
+from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore, bind_master
 
 
 def _fp32_grad(entry: Entry) -> torch.Tensor | None:
@@ -23,13 +22,6 @@ def _copy_main_to_param(entry: Entry) -> None:
 
 def _copy_param_to_main(param: torch.Tensor, main: torch.Tensor) -> None:
     main.copy_(param)
-
-
-def _refuse_state_dict(master: torch.optim.Optimizer, *args, **kwargs):
-    raise StreamConfigError(
-        "this optimizer's state is streamed: its state_dict would hold none of the moments "
-        "or fp32 mains; read them with StreamedOptimizer.iter_state()"
-    )
 
 
 class StreamedOptimizer:
@@ -84,18 +76,7 @@ class StreamedOptimizer:
             copy_to_model=_copy_main_to_param,
             init_main=_copy_param_to_main,
         )
-        store = self.store
-
-        def streamed_step(master: torch.optim.Optimizer, closure: None = None) -> StepStats:
-            if closure is not None:
-                raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
-            return store.step()
-
-        # Bound as methods of the instance (not of the class): LR schedulers re-wrap
-        # `step` through its __func__, which must take the optimizer as first argument.
-        optimizer.step = types.MethodType(streamed_step, optimizer)
-        optimizer.state_dict = types.MethodType(_refuse_state_dict, optimizer)
-        optimizer.load_state_dict = types.MethodType(_refuse_state_dict, optimizer)
+        bind_master(optimizer, self.store, read_state_with="StreamedOptimizer.iter_state()")
 
     @property
     def param_groups(self) -> list[dict]:
