@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from miles_plugins.optimizers.config import DEFAULT_STAGING_CHUNK_MB, MOMENT_DTYPES, StreamConfigError
+from miles_plugins.optimizers.config import DEFAULT_STAGING_CHUNK_MB, MOMENT_DTYPES, StreamConfig, StreamConfigError
 
 STREAM_FLAG = "stream_optimizer_state_to_disk"
 DEFAULT_DIR_NAME = "optimizer_state"
@@ -105,6 +105,11 @@ _REFUSALS = [
         "--enable-witness is on: it reads optimizer tensors whose storage is evicted",
     ),
     (
+        lambda a: _get(a, "log_params_norm", False),
+        "--log-params-norm is on: it reads every param's fp32 main (param.main_param) at once, whose "
+        "storage streaming evicts",
+    ),
+    (
         lambda a: _get(a, "indep_dp", False),
         "--indep-dp is on: rank numbering restarts per cell, so streaming directories of different "
         "processes would collide",
@@ -136,3 +141,19 @@ def validate_args(args: argparse.Namespace) -> None:
         raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
     if not _get(args, "offload_train_disk_dir"):
         args.offload_train_disk_dir = default_directory()
+
+
+def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
+    """The :class:`StreamConfig` an argparse namespace asks for (after :func:`validate_args`).
+
+    ``name`` is this process's scratch subdirectory (e.g. ``rank3``). With
+    ``--no-load-optim`` a checkpoint without streamed state starts the optimizer
+    fresh instead of being refused.
+    """
+    return StreamConfig(
+        directory=_get(args, "offload_train_disk_dir") or default_directory(),
+        moment_dtype=_get(args, "stream_optimizer_state_moment_dtype", "fp32"),
+        staging_chunk_mb=_get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_CHUNK_MB),
+        allow_fresh_state=bool(_get(args, "no_load_optim", False)),
+        name=name,
+    )

@@ -1,0 +1,421 @@
+"""Binding of the streaming store to Megatron's ``DistributedOptimizer``.
+
+:func:`attach` gives one ``DistributedOptimizer`` a :class:`StreamingStore` over
+its fp32 main shards and rebinds, on that instance only (never on the class:
+two optimizers in one process may differ), every entry point that touches
+optimizer state:
+
+- ``step_with_ready_grads``: upstream's own method still runs, all-gather tail
+  included; inside it the inner optimizer's ``step`` is the streamed step, which
+  copies each bucket's updated mains into the param buffer as the bucket
+  finishes, so upstream's ``_copy_main_params_to_model_params`` has nothing left
+  to do. A check after the call proves the streamed step ran exactly once.
+- ``reload_model_params``: rebuilds the streamed mains from the model params (or
+  from a state dict's params), bucket by bucket; moments are left as they are.
+- ``state_dict`` / ``load_state_dict`` / ``sharded_state_dict``: the param-group
+  options and the grad scaler only, never the evicted mains or moments (those
+  bytes travel through the store's ``save_to`` / ``load_from``, called by the
+  checkpoint hooks). The LR scheduler state Megatron saves beside them is
+  untouched. Until the hooks land, ``load_state_dict`` refuses every
+  checkpoint, naming why: resuming needs ``--no-load-optim``.
+- ``save_parameter_state`` / ``load_parameter_state`` (the legacy checkpoint
+  format's per-rank state file): no-ops, for the same reason.
+- ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): no-ops; the
+  streamed state is off the GPU already.
+
+Native-fp32 model params are their own mains (a view of the param buffer); they
+stay resident under a small optimizer of the same class.
+
+Reproduced upstream code is marked with its provenance: NVIDIA/Megatron-LM tag
+``core_v0.19.0`` (commit 5be9626709af2722333bf54797c954c09edeada3), whose
+``megatron/core/optimizer/distrib_optimizer.py`` is byte-identical to the
+megatron-core 0.19.2 wheel's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
+from miles_plugins.optimizers.adam import backend_for
+from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
+from miles_plugins.optimizers.store import Entry, StreamingStore, bind_master
+
+logger = logging.getLogger(__name__)
+
+# Marks a state dict written by a streamed optimizer: it holds param-group options
+# and the grad scaler only; the param state is in the store's files.
+STREAMED_STATE_KEY = "streamed_optimizer_state"
+
+
+@dataclasses.dataclass
+class MegatronEntry(Entry):
+    """An :class:`Entry` that also knows its (unsharded) model param, the key of
+    every Megatron range map."""
+
+    model_param: torch.nn.Parameter | None = None
+
+
+def _is_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(optimizer, DistributedOptimizer)
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def chained_distributed_optimizers(optimizer: Any) -> list[tuple[int, Any]]:
+    """(position in the chain, optimizer) for every non-stub ``DistributedOptimizer``.
+
+    Walks ``optimizer.chained_optimizers`` (dense and expert optimizers) or takes
+    ``optimizer`` itself. Stub optimizers (frozen sub-models, no params) are
+    skipped. Anything else in the chain is refused, naming its type.
+    """
+    chain = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    found, refused = [], []
+    for index, member in enumerate(chain):
+        if getattr(member, "is_stub_optimizer", False):
+            continue
+        if _is_distributed_optimizer(member):
+            found.append((index, member))
+        else:
+            refused.append(f"chain position {index}: {_type_name(member)}")
+    if refused:
+        raise StreamConfigError(
+            "optimizer-state streaming binds to Megatron's DistributedOptimizer only (it streams its "
+            "fp32 main shards); got " + "; ".join(refused) + ". Build the optimizer with "
+            "use_distributed_optimizer=True"
+        )
+    return found
+
+
+# (predicate over the optimizer, why streaming cannot work with it). Fields some
+# Megatron commits lack are read with getattr and a default.
+_GUARDS = [
+    (
+        lambda o: getattr(o.config, "use_precision_aware_optimizer", False),
+        "use_precision_aware_optimizer is on: the optimizer then holds the mains itself, "
+        "Megatron holds no fp32 mains to stream",
+    ),
+    (
+        lambda o: getattr(o.config, "optimizer_cpu_offload", False),
+        "optimizer_cpu_offload is on: HybridDeviceOptimizer already keeps the state on the host; use one or the other",
+    ),
+    (
+        lambda o: (
+            getattr(o.config, "offload_optimizer_states", False)
+            or getattr(o.ddp_config, "offload_optimizer_states", False)
+        ),
+        "offload_optimizer_states is on: it moves the same state between phases, which streaming "
+        "already keeps off the GPU",
+    ),
+    (
+        lambda o: (
+            getattr(o.config, "chunked_optimizer_state_offload", False)
+            or getattr(o.ddp_config, "chunked_optimizer_state_offload", False)
+        ),
+        "chunked_optimizer_state_offload is on: it moves the same state; use one or the other",
+    ),
+    (
+        lambda o: getattr(o.ddp_config, "use_megatron_fsdp", False),
+        "Megatron FSDP is on: it owns the main weights and the optimizer state itself",
+    ),
+    (
+        lambda o: getattr(o.ddp_config, "fp8_param_gather", False) or getattr(o.ddp_config, "fp4_param_gather", False),
+        "fp8/fp4 params are on (fp8_param_gather / fp4_param_gather): their mains are quantized into the "
+        "param buffer by a separate path this binding does not reproduce",
+    ),
+    (
+        lambda o: getattr(o.config, "reuse_grad_buf_for_mxfp8_param_ag", False),
+        "reuse_grad_buf_for_mxfp8_param_ag is on: mains are copied into the grad buffer outside the "
+        "step, reading every main at once",
+    ),
+    (
+        lambda o: (getattr(o.config, "optimizer", "adam") or "adam") != "adam",
+        "the optimizer is {optimizer!r}: the per-bucket step reproduces Adam's math only",
+    ),
+    (
+        lambda o: any(o.optimizer.state.values()),
+        "the optimizer already holds state (it has stepped): set streaming up right after "
+        "get_megatron_optimizer(), or its resident moments stay allocated beside the stream",
+    ),
+]
+
+
+def check_supported(dist_opt: Any) -> None:
+    """Refuse (all reasons at once) a ``DistributedOptimizer`` streaming cannot serve."""
+    reasons = [
+        why.format(optimizer=getattr(dist_opt.config, "optimizer", None))
+        for refuses, why in _GUARDS
+        if refuses(dist_opt)
+    ]
+    try:
+        backend_for(dist_opt.optimizer)
+    except StreamConfigError as e:
+        reasons.append(str(e))
+    if reasons:
+        raise StreamConfigError(
+            f"cannot stream the state of this {_type_name(dist_opt)}:\n  - " + "\n  - ".join(reasons)
+        )
+
+
+class MegatronBinding:
+    """The streamed state of one ``DistributedOptimizer`` and its instance bindings.
+
+    Build it right after ``get_megatron_optimizer(...)``, before the first step
+    and before ``load_checkpoint``. Construction checks the optimizer
+    (:func:`check_supported`), writes every fp32 main to the store's files and
+    releases their device storage, then rebinds the optimizer's state entry
+    points (see the module docstring). The store is also reachable as
+    ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)`` for the hooks.
+    """
+
+    def __init__(self, dist_opt: Any, config: StreamConfig) -> None:
+        check_supported(dist_opt)
+        self.dist_opt = dist_opt
+        self.entries = self._entries()
+        self.store = StreamingStore(
+            self.entries,
+            backend_for(dist_opt.optimizer),
+            config,
+            copy_to_model=self._copy_main_to_param_buffer,
+        )
+        self._bind()
+
+    # ---- entries ---------------------------------------------------------------
+
+    def _entries(self) -> list[MegatronEntry]:
+        opt = self.dist_opt
+        entries = []
+        for group_index, (model_group, main_group) in enumerate(
+            zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
+        ):
+            for model_param, main in zip(model_group, main_group, strict=True):
+                entries.append(
+                    MegatronEntry(
+                        param=self._model_shard(model_param),
+                        main=main,
+                        group_index=group_index,
+                        bucket_key=self._ddp_bucket(model_param),
+                        model_param=model_param,
+                    )
+                )
+        for group_index, (model_group, shard_group) in enumerate(
+            zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True)
+        ):
+            for model_param, shard in zip(model_group, shard_group, strict=True):
+                # An fp32 param is its own main: the shard the optimizer updates must
+                # alias the param buffer, or upstream's copy into the buffer (which
+                # this binding skips for resident entries) would not be a no-op.
+                if shard.data_ptr() != self._param_buffer_shard(model_param, shard.numel()).data_ptr():
+                    raise StreamConfigError(
+                        f"an fp32 param's main shard does not alias the DDP param buffer "
+                        f"(shape {tuple(model_param.shape)}): this Megatron lays params out differently "
+                        "than the binding was validated on"
+                    )
+                entries.append(
+                    MegatronEntry(
+                        param=shard,
+                        main=shard,
+                        group_index=group_index,
+                        bucket_key=self._ddp_bucket(model_param),
+                        model_param=model_param,
+                    )
+                )
+        return entries
+
+    def _ddp_bucket(self, model_param: torch.nn.Parameter) -> tuple[int, int]:
+        gbuf_index, _, bucket_index = self.dist_opt.model_param_gbuf_map[model_param]
+        return gbuf_index, bucket_index
+
+    def _model_shard(self, model_param: torch.nn.Parameter, source: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's shard of ``model_param`` (or of ``source``, a tensor of its shape)."""
+        param_range = self.dist_opt._get_model_param_range_map(model_param)["param"]
+        base = model_param if source is None else source
+        return base.detach().view(-1)[param_range.start : param_range.end]
+
+    def _param_buffer_shard(self, model_param: torch.nn.Parameter, main_numel: int) -> torch.Tensor:
+        # Reproduces, from DistributedOptimizer._copy_main_params_to_model_params at
+        # core_v0.19.0 (copy_group_params, non-fp8 branch), how a main shard finds
+        # its place in the DDP param buffer. Recheck on drift: the range map keys
+        # ("gbuf_world_in_bucket"), model_param_gbuf_map's tuple order, and
+        # buffers[i].buckets[j].param_data.
+        opt = self.dist_opt
+        world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+        if world_range.size != main_numel:
+            raise RuntimeError(
+                f"a main shard has {main_numel} elements but its world range in the param buffer has "
+                f"{world_range.size}: the DistributedOptimizer range maps are not what the binding expects"
+            )
+        gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+        model_param_buffer = opt.buffers[gbuf_index].buckets[bucket_id].param_data
+        return model_param_buffer.view(-1)[world_range.start : world_range.end]
+
+    def _copy_main_to_param_buffer(self, entry: MegatronEntry) -> None:
+        self._param_buffer_shard(entry.model_param, entry.main.numel()).copy_(entry.main)
+
+    # ---- bindings --------------------------------------------------------------
+
+    def _bind(self) -> None:
+        opt, store = self.dist_opt, self.store
+        bind_master(opt.optimizer, store, read_state_with="miles_plugins.optimizers.megatron.iter_state()")
+        upstream_step_with_ready_grads = opt.step_with_ready_grads
+
+        def step_with_ready_grads(self_: Any) -> bool:
+            before = store.steps_taken
+            # Upstream's method: the inner step (now the streamed step, which also
+            # copies mains into the param buffer), then the param all-gather tail.
+            result = upstream_step_with_ready_grads()
+            if store.steps_taken != before + 1:
+                raise RuntimeError(
+                    f"{_type_name(self_)}.step_with_ready_grads ran the streamed step "
+                    f"{store.steps_taken - before} times instead of once: upstream's step no longer "
+                    "calls self.optimizer.step() exactly once; recheck the binding against this Megatron"
+                )
+            return result
+
+        def copy_main_params_to_model_params(self_: Any) -> None:
+            # Each bucket's mains were copied into the param buffer as the bucket
+            # finished its streamed step; outside a step the buffer already holds them.
+            return None
+
+        def reload_model_params(self_: Any, state_dict: dict | None = None) -> None:
+            self._reload_mains(state_dict)
+
+        def state_dict(self_: Any) -> dict:
+            return self._state_dict()
+
+        def load_state_dict(self_: Any, state_dict: dict) -> None:
+            self._load_state_dict(state_dict)
+
+        def sharded_state_dict(self_: Any, *args, **kwargs) -> dict:
+            # Same dict whether saving or loading (upstream's signature varies by commit).
+            return self._sharded_state_dict()
+
+        def parameter_state_file(self_: Any, filename: str, **kwargs) -> None:
+            # The legacy format's per-rank state file would read evicted storage; the
+            # streamed state is saved and loaded by the checkpoint hooks instead.
+            return None
+
+        def offload_state(self_: Any) -> None:
+            # Upstream moves every main and moment between devices (RL phases); the
+            # streamed state is off the GPU already and its mains have no storage.
+            return None
+
+        for name, fn in (
+            ("step_with_ready_grads", step_with_ready_grads),
+            ("_copy_main_params_to_model_params", copy_main_params_to_model_params),
+            ("reload_model_params", reload_model_params),
+            ("state_dict", state_dict),
+            ("load_state_dict", load_state_dict),
+            ("sharded_state_dict", sharded_state_dict),
+            ("save_parameter_state", parameter_state_file),
+            ("load_parameter_state", parameter_state_file),
+            ("offload_to_cpu", offload_state),
+            ("restore_from_cpu", offload_state),
+        ):
+            setattr(opt, name, types.MethodType(fn, opt))
+        setattr(opt, STORE_ATTR, store)
+
+    @torch.no_grad()
+    def _reload_mains(self, state_dict: dict | None) -> None:
+        opt = self.dist_opt
+        if state_dict is None:
+            sources = {e.param: e.param for e in self.entries}
+        else:
+            # Upstream's own mapping from model params to the state dict's tensors
+            # (present on commits whose reload_model_params takes a state_dict).
+            by_model_param = opt._build_model_param_to_state_dict_param_map(state_dict)
+            sources = {e.param: self._model_shard(e.model_param, by_model_param[e.model_param]) for e in self.entries}
+        for entry in self.entries:
+            if entry.resident and sources[entry.param] is not entry.param:
+                entry.main.copy_(sources[entry.param])
+        self.store.refresh_main_from_model_params(lambda param, main: main.copy_(sources[param]))
+
+    def _state_dict(self) -> dict:
+        opt = self.dist_opt
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        state = {
+            "optimizer": {"param_groups": groups},
+            STREAMED_STATE_KEY: {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": self.store.steps_taken},
+        }
+        if opt.grad_scaler:
+            state["grad_scaler"] = opt.grad_scaler.state_dict()
+        return state
+
+    def _load_state_dict(self, state_dict: dict) -> None:
+        if STREAMED_STATE_KEY not in state_dict:
+            raise StreamConfigError(
+                "this checkpoint's optimizer state was written without optimizer-state streaming: loading it "
+                "here would restart Adam from zero behind your back. Resume it without streaming, or load "
+                "with --no-load-optim to start the optimizer fresh"
+            )
+        raise StreamConfigError(
+            "this checkpoint holds streamed optimizer state, and restoring it needs the checkpoint hooks "
+            "(the patch series for megatron/training/checkpointing.py), which this version does not have yet: "
+            "the mains and moments would silently stay at their initial values. Load with --no-load-optim "
+            "(the mains are then rebuilt from the loaded model params and Adam starts fresh)"
+        )
+
+    def _sharded_state_dict(self) -> dict:
+        # The same wrapping upstream gives its non-reshardable formats' common state
+        # (DistributedOptimizer.sharded_state_dict at core_v0.19.0): one object per
+        # data-parallel group, replicated over this instance's DP ranks.
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        opt = self.dist_opt
+        return {
+            k: ShardedObject(
+                f"optimizer.distributed.dp_group_idx_{opt.data_parallel_group_idx}.{k}",
+                v,
+                (1,),
+                (0,),
+                replica_id=(opt.distributed_optimizer_instance_id, 0, opt.data_parallel_group.rank()),
+            )
+            for k, v in self._state_dict().items()
+        }
+
+    # ---- reading the state back ----------------------------------------------
+
+    def iter_state(self) -> Iterator[tuple[MegatronEntry, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Yield (entry, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket at a time."""
+        for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
+            yield self.entries[index], main, exp_avg, exp_avg_sq
+
+
+def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
+    """Stream the state of every ``DistributedOptimizer`` in ``optimizer``'s chain.
+
+    Each chained optimizer gets its own store under ``config.directory``, named
+    ``<config.name>.opt<position in chain>``: the dense and expert optimizers may
+    share an instance id, never a directory. All optimizers are checked before
+    any is bound, so a refusal leaves every one of them as it was. A failure
+    after binding began (e.g. an I/O error writing the initial mains) closes the
+    stores already made and re-raises: the optimizer is then unusable.
+    """
+    members = chained_distributed_optimizers(optimizer)
+    for _, member in members:
+        check_supported(member)
+    bindings: list[MegatronBinding] = []
+    try:
+        for index, member in members:
+            bindings.append(MegatronBinding(member, dataclasses.replace(config, name=f"{config.name}.opt{index}")))
+    except BaseException:
+        for binding in bindings:
+            binding.store.close()
+        raise
+    return bindings
+
+
+def stores_of(optimizer: Any) -> list[StreamingStore]:
+    """The stores attached to ``optimizer`` and its chained optimizers, in chain order."""
+    chain = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return [getattr(member, STORE_ATTR) for member in chain if hasattr(member, STORE_ATTR)]

@@ -1,0 +1,68 @@
+"""The entry point miles (or any Megatron launcher) calls at optimizer build.
+
+::
+
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
+    setup_optimizer_state_streaming(args, optimizer)     # before load_checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from miles_plugins.optimizers.args import STREAM_FLAG, config_from_args, validate_args
+from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.megatron import MegatronBinding, attach
+
+logger = logging.getLogger(__name__)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) -> list[MegatronBinding]:
+    """Turn streaming on for ``optimizer`` when ``args`` asks for it.
+
+    With ``--stream-optimizer-state-to-disk`` off this does nothing and returns
+    ``[]``. Otherwise it validates ``args`` (:func:`args.validate_args`: every
+    unsupported setting refused at once, with its reason) and streams the state
+    of every ``DistributedOptimizer`` in the chain under
+    ``<--offload-train-disk-dir>/rank<global rank>.opt<i>``.
+    """
+    if not getattr(args, STREAM_FLAG, False):
+        return []
+    validate_args(args)
+    return stream_optimizer_state(optimizer, config_from_args(args, name=f"rank{_global_rank()}"))
+
+
+def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
+    """Stream the state of every ``DistributedOptimizer`` in ``optimizer``'s chain.
+
+    The form for callers without an argparse namespace: ``config`` carries the
+    directory, moment dtype, bucket cap, staging chunk and allow-fresh-state
+    setting. ``config.name`` is the per-process prefix of the scratch
+    subdirectories; make it unique per rank (e.g. ``rank<global rank>``).
+    Returns one binding per streamed optimizer, in chain order.
+    """
+    bindings = attach(optimizer, config)
+    logger.warning(
+        "checkpoints do not carry the streamed optimizer state yet (the checkpointing hooks are not in this "
+        "version): a checkpoint saved now resumes only with --no-load-optim"
+    )
+    if not bindings:
+        logger.warning("optimizer-state streaming is on but the optimizer chain holds no params on this rank")
+    for binding in bindings:
+        logger.info(
+            "optimizer-state streaming on for %s: %d buckets, %.2f GB of state off the GPU, under %s",
+            config.name,
+            len(binding.store.buckets),
+            binding.store.state_bytes_total / 1e9,
+            binding.store.scratch.path,
+        )
+    return bindings
