@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-gpu lint format venv clean
 
 venv: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The GPU tier, on a CUDA machine with megatron-core importable: it runs with that
+# machine's own torch (no venv), e.g. PYTHONPATH=/tmp/site for a carried wheel.
+test-gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m pytest -q -m gpu tests/gpu
 
 lint: venv
 	$(VENV)/bin/ruff check .
