@@ -266,7 +266,7 @@ class MegatronBinding:
 
     def _bind(self) -> None:
         opt, store = self.dist_opt, self.store
-        bind_master(opt.optimizer, store, read_state_with="miles_plugins.optimizers.megatron.iter_state()")
+        bind_master(opt.optimizer, store, read_state_with="MegatronBinding.iter_state()")
         upstream_step_with_ready_grads = opt.step_with_ready_grads
 
         def step_with_ready_grads(self_: Any) -> bool:
@@ -413,9 +413,3 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
             binding.store.close()
         raise
     return bindings
-
-
-def stores_of(optimizer: Any) -> list[StreamingStore]:
-    """The stores attached to ``optimizer`` and its chained optimizers, in chain order."""
-    chain = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    return [getattr(member, STORE_ATTR) for member in chain if hasattr(member, STORE_ATTR)]
