@@ -45,6 +45,75 @@ class BucketOptimizer:
             return None
         return state["exp_avg"], state["exp_avg_sq"]
 
+    # ---- the small state a checkpoint carries beside the moment bytes ----------
+
+    def export_state(self) -> dict:
+        """Everything but the moment bytes, as JSON: the per-group step state and,
+        per param, None (no update yet) or its scalar entries (torch's ``step``)."""
+        groups, params = [], []
+        for group in self.optimizer.param_groups:
+            groups.append({k: group[k] for k in sorted(self.backend.group_state_keys) if k in group})
+            params.append([_export_param_state(self.optimizer.state.get(p), p) for p in group["params"]])
+        return {"groups": groups, "params": params}
+
+    def import_state(self, saved: dict, materialize: bool) -> None:
+        """Restore :meth:`export_state`'s output. Moments are recreated as fp32
+        tensors of each main's shape, zero-filled when ``materialize`` (the caller
+        then reads their bytes), with their storage released otherwise."""
+        if len(saved["groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"{len(saved['groups'])} saved param groups, {len(self.optimizer.param_groups)} live")
+        for group, saved_group, saved_params in zip(
+            self.optimizer.param_groups, saved["groups"], saved["params"], strict=True
+        ):
+            if len(saved_params) != len(group["params"]):
+                raise ValueError(f"{len(saved_params)} saved params in a group of {len(group['params'])}")
+            group.update(saved_group)
+            for p, scalars in zip(group["params"], saved_params, strict=True):
+                if scalars is None:
+                    self.optimizer.state.pop(p, None)
+                    continue
+                state = {k: _import_scalar(v, p) for k, v in scalars.items()}
+                for name in ("exp_avg", "exp_avg_sq"):
+                    moment = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                    if not materialize:
+                        moment.untyped_storage().resize_(0)
+                    state[name] = moment
+                self.optimizer.state[p] = state
+
+
+_MOMENT_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
+
+
+def _export_param_state(state: dict | None, param: torch.Tensor) -> dict | None:
+    if not state:
+        return None
+    out = {}
+    for key, value in state.items():
+        if key in _MOMENT_KEYS:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise StreamConfigError(
+                    f"optimizer state {key!r} is a tensor of {value.numel()} elements, not a scalar"
+                )
+            # Where torch keeps the step (CPU, or the param's device for fused and
+            # capturable steps) is part of the state: restored exactly as it was.
+            on_param_device = value.device == param.device and value.device.type != "cpu"
+            out[key] = {"value": value.item(), "dtype": str(value.dtype), "on_param_device": on_param_device}
+        elif isinstance(value, (int, float, bool)):
+            out[key] = value
+        else:
+            raise StreamConfigError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
+    return out
+
+
+def _import_scalar(value, param: torch.Tensor):
+    if not isinstance(value, dict):
+        return value
+    dtype = getattr(torch, value["dtype"].removeprefix("torch."))
+    device = param.device if value["on_param_device"] else "cpu"
+    return torch.tensor(value["value"], dtype=dtype, device=device)
+
 
 class AdamBackend:
     """Builds bucket optimizers that reproduce one master optimizer's update.

@@ -12,6 +12,7 @@ import ctypes
 import errno
 import mmap
 import os
+import zlib
 
 import torch
 
@@ -138,3 +139,47 @@ class SyncFileEngine:
                     offset + put,
                 )
             put += w
+
+
+def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size: int, buffer: memoryview) -> int:
+    """Copy ``size`` bytes from the start of one open file to another through
+    ``buffer``; returns the CRC-32 of the bytes copied. Raises
+    :class:`StreamIOError` naming the file on an error or a short transfer."""
+    crc = 0
+    done = 0
+    while done < size:
+        n = min(len(buffer), size - done)
+        chunk = buffer[:n]
+        got = 0
+        while got < n:
+            try:
+                r = os.preadv(src_fd, [chunk[got:]], done + got)
+            except OSError as exc:
+                raise StreamIOError(
+                    f"read of {src_path} failed at offset {done + got}: {exc.strerror}", src_path, done + got, exc.errno
+                ) from exc
+            if r == 0:
+                raise StreamIOError(
+                    f"short read of {src_path} at offset {done + got}: the file ends before the "
+                    f"{size} bytes expected (truncated?)",
+                    src_path,
+                    done + got,
+                )
+            got += r
+        crc = zlib.crc32(chunk, crc)
+        put = 0
+        while put < n:
+            try:
+                w = os.pwritev(dst_fd, [chunk[put:]], done + put)
+            except OSError as exc:
+                raise StreamIOError(
+                    f"write of {dst_path} failed at offset {done + put}: {exc.strerror}",
+                    dst_path,
+                    done + put,
+                    exc.errno,
+                ) from exc
+            if w == 0:
+                raise StreamIOError(f"short write of {dst_path} at offset {done + put}", dst_path, done + put)
+            put += w
+        done += n
+    return crc

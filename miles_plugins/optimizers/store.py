@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import stat
 import time
 import types
+import zlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,13 +27,31 @@ import torch
 
 from miles_plugins.optimizers.adam import AdamBackend, BucketOptimizer
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.io import StagingBuffer, SyncFileEngine, open_bucket_file, preallocate
+from miles_plugins.optimizers.io import (
+    StagingBuffer,
+    StreamIOError,
+    SyncFileEngine,
+    copy_file_crc32,
+    open_bucket_file,
+    preallocate,
+)
 from miles_plugins.optimizers.layout import (
+    MAIN_DTYPE,
     MATERIALIZED_BYTES_PER_ELEMENT,
     MOMENT_SEGMENTS,
     BucketLayout,
     layout_bucket,
     plan_buckets,
+)
+from miles_plugins.optimizers.manifest import (
+    FORMAT as MANIFEST_FORMAT,
+)
+from miles_plugins.optimizers.manifest import (
+    FORMAT_VERSION,
+    RESIDENT_FILE,
+    CheckpointMismatchError,
+    Manifest,
+    differences,
 )
 from miles_plugins.optimizers.scratch import ScratchDir
 
@@ -123,6 +144,9 @@ class StreamingStore:
         init_main: ``init_main(param, main)`` fills a main from its param; when
             given, the initial mains are built bucket by bucket through it, so
             they never all exist at once.
+        topology: the parallel layout this state belongs to (sizes and this
+            rank's coordinates), recorded by ``save_to`` and required equal by
+            ``load_from``.
 
     Construction validates the directory and free space before writing
     anything, then writes every bucket's initial mains and releases them.
@@ -139,8 +163,13 @@ class StreamingStore:
         grad_fn: GradFn | None = None,
         copy_to_model: EntryFn | None = None,
         init_main: CopyFn | None = None,
+        topology: dict[str, int] | None = None,
     ) -> None:
         self.config = config
+        self.topology = dict(topology or {})
+        self._optimizer_class = f"{type(backend.master).__module__}.{type(backend.master).__qualname__}"
+        # Set when a load failed after it began overwriting the scratch files.
+        self._damaged: str | None = None
         self.entries = list(entries)
         self._grad_fn = grad_fn or (lambda entry: entry.main.grad)
         self._copy_to_model = copy_to_model or (lambda entry: None)
@@ -261,6 +290,202 @@ class StreamingStore:
     def _check_open(self) -> None:
         if self.scratch.removed:
             raise RuntimeError(f"the optimizer-state store at {self.scratch.path} was closed; its state is gone")
+        if self._damaged:
+            raise RuntimeError(
+                f"the optimizer-state store at {self.scratch.path} holds no consistent state: {self._damaged}. "
+                "Load a good checkpoint into a fresh process"
+            )
+
+    # ---- checkpoints ---------------------------------------------------------
+
+    def _description(self) -> dict:
+        """The manifest fields a load must match."""
+        return {
+            "store": self.config.name,
+            "main_dtype": str(MAIN_DTYPE).removeprefix("torch."),
+            "moment_dtype": self.config.moment_dtype,
+            "topology": self.topology,
+            "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in self.buckets],
+            "resident_numels": [self.entries[i].main.numel() for i in self._resident_entries],
+            "optimizer_class": self._optimizer_class,
+        }
+
+    def save_to(self, base_dir: str) -> None:
+        """Save the full state under ``base_dir/<name>``, atomically.
+
+        Everything goes to a private temporary directory first (bucket files,
+        resident moments, the manifest last, each fsynced), which is then renamed
+        into place: ``base_dir/<name>`` is either the previous complete save or
+        this one, never a mix. Call between steps.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        final = os.path.join(base_dir, self.config.name)
+        partial = os.path.join(base_dir, f".{self.config.name}.partial")
+        os.makedirs(base_dir, mode=0o700, exist_ok=True)
+        _remove_private_dir(partial)  # left by a save that was interrupted
+        os.mkdir(partial, 0o700)
+        try:
+            files = {}
+            buffer = self._engine.staging.view
+            for bucket in self.buckets:
+                with self._open(bucket) as src, _create(partial, bucket.file_name) as dst:
+                    crc = copy_file_crc32(
+                        src,
+                        self.scratch.file(bucket.file_name),
+                        dst,
+                        os.path.join(partial, bucket.file_name),
+                        bucket.file_size,
+                        buffer,
+                    )
+                    os.fsync(dst)
+                files[bucket.file_name] = {"size": bucket.file_size, "crc32": crc}
+            if self._resident_optimizer is not None:
+                files[RESIDENT_FILE] = self._save_resident(partial)
+            manifest = Manifest(
+                {
+                    "format": MANIFEST_FORMAT,
+                    "format_version": FORMAT_VERSION,
+                    **self._description(),
+                    "steps_taken": self.steps_taken,
+                    "bucket_state": [o.export_state() for o in self._bucket_optimizers],
+                    "resident_state": self._resident_optimizer.export_state() if self._resident_optimizer else None,
+                    "files": files,
+                }
+            )
+            manifest.write(partial)
+            _fsync_dir(partial)
+            replaced = os.path.join(base_dir, f".{self.config.name}.replaced")
+            _remove_private_dir(replaced)
+            if os.path.lexists(final):
+                os.rename(final, replaced)
+            os.rename(partial, final)
+            _fsync_dir(base_dir)
+            _remove_private_dir(replaced)
+        except BaseException:
+            _remove_private_dir(partial)
+            raise
+        seconds = time.perf_counter() - start
+        nbytes = sum(f["size"] for f in files.values())
+        logger.info(
+            "saved streamed optimizer state %s: %.2f GB in %.2f s (%.2f GB/s) to %s",
+            self.config.name,
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+            final,
+        )
+
+    def load_from(self, base_dir: str) -> bool:
+        """Restore the state ``save_to`` left under ``base_dir/<name>``.
+
+        Returns False when there is none. Verifies the manifest against this
+        store (dtypes, layout, topology: every difference is reported at once)
+        and each file's size before touching the live state, and each file's
+        CRC-32 while copying it in; any mismatch raises
+        :class:`CheckpointMismatchError`. A checksum that fails after copying
+        began leaves the store refusing to step.
+        """
+        self._check_open()
+        source = os.path.join(base_dir, self.config.name)
+        if not os.path.isdir(source):
+            return False
+        manifest = Manifest.read(source)
+        problems = differences(manifest.data, self._description())
+        for name, expected in sorted(manifest.files.items()):
+            try:
+                size = os.lstat(os.path.join(source, name)).st_size
+            except FileNotFoundError:
+                problems.append(f"{name} is missing")
+                continue
+            if size != expected["size"]:
+                problems.append(f"{name} has {size} bytes, the manifest says {expected['size']} (truncated?)")
+        expected_files = {b.file_name for b in self.buckets} | ({RESIDENT_FILE} if self._resident_optimizer else set())
+        if not problems and set(manifest.files) != expected_files:
+            problems.append(
+                f"the manifest lists files {sorted(manifest.files)}, this store needs {sorted(expected_files)}"
+            )
+        if problems:
+            raise CheckpointMismatchError(
+                f"cannot load the streamed optimizer state in {source}:\n  - " + "\n  - ".join(problems)
+            )
+        start = time.perf_counter()
+        resident = self._read_resident(source, manifest) if self._resident_optimizer is not None else None
+        buffer = self._engine.staging.view
+        for bucket in self.buckets:
+            src_path = os.path.join(source, bucket.file_name)
+            src = os.open(src_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                with self._open(bucket) as dst:
+                    crc = copy_file_crc32(
+                        src, src_path, dst, self.scratch.file(bucket.file_name), bucket.file_size, buffer
+                    )
+            except BaseException as exc:
+                self._damaged = f"loading {src_path} failed part way ({exc})"
+                raise
+            finally:
+                os.close(src)
+            if crc != manifest.files[bucket.file_name]["crc32"]:
+                self._damaged = f"{src_path} failed its checksum while being loaded"
+                raise CheckpointMismatchError(
+                    f"{src_path}: CRC-32 {crc:#010x} does not match the manifest's "
+                    f"{manifest.files[bucket.file_name]['crc32']:#010x}: the checkpoint is corrupt"
+                )
+        for optimizer, saved in zip(self._bucket_optimizers, manifest.data["bucket_state"], strict=True):
+            optimizer.import_state(saved, materialize=False)
+        if resident is not None:
+            self._restore_resident(manifest.data["resident_state"], resident)
+        self.steps_taken = manifest.data["steps_taken"]
+        logger.info(
+            "loaded streamed optimizer state %s (step %d) from %s in %.2f s",
+            self.config.name,
+            self.steps_taken,
+            source,
+            time.perf_counter() - start,
+        )
+        return True
+
+    def _resident_moments(self) -> Iterator[torch.Tensor]:
+        for i in self._resident_entries:
+            yield from self._resident_optimizer.moments(self.entries[i].main) or ()
+
+    def _save_resident(self, directory: str) -> dict[str, int]:
+        # Small (a warning fires above resident_warn_elements): one CPU copy per moment.
+        crc, size = 0, 0
+        with _create(directory, RESIDENT_FILE) as fd:
+            for moment in self._resident_moments():
+                data = moment.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                _write_all(fd, os.path.join(directory, RESIDENT_FILE), data)
+                crc = zlib.crc32(data, crc)
+                size += len(data)
+            os.fsync(fd)
+        return {"size": size, "crc32": crc}
+
+    def _read_resident(self, source: str, manifest: Manifest) -> bytes:
+        path = os.path.join(source, RESIDENT_FILE)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        expected = manifest.files[RESIDENT_FILE]["crc32"]
+        if zlib.crc32(data) != expected:
+            raise CheckpointMismatchError(
+                f"{path}: CRC-32 {zlib.crc32(data):#010x} does not match the manifest's {expected:#010x}: "
+                "the checkpoint is corrupt"
+            )
+        return data
+
+    def _restore_resident(self, saved: dict, data: bytes) -> None:
+        self._resident_optimizer.import_state(saved, materialize=True)
+        offset = 0
+        for moment in self._resident_moments():
+            n = moment.numel() * moment.element_size()
+            source = torch.frombuffer(bytearray(data[offset : offset + n]), dtype=torch.uint8)
+            moment.view(-1).view(torch.uint8).copy_(source)
+            offset += n
+        if offset != len(data):
+            raise CheckpointMismatchError(
+                f"{RESIDENT_FILE} holds {len(data)} bytes, the restored moments take {offset}"
+            )
 
     # ---- reading the state back (tests, the demo, checkpoint export) ---------
 
@@ -408,6 +633,49 @@ class StreamingStore:
                         self._engine.write(fd, path, segment.entry_offsets[k], _bytes_of(entry.main))
                     finally:
                         self._residency.release(entry.main)
+
+
+@contextlib.contextmanager
+def _create(directory: str, name: str) -> Iterator[int]:
+    """A new private file in ``directory``, never through a symlink."""
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StreamIOError(f"cannot create {path}: {exc.strerror}", path, 0, exc.errno) from exc
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, path: str, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except OSError as exc:
+            raise StreamIOError(f"write of {path} failed: {exc.strerror}", path, 0, exc.errno) from exc
+        view = view[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_private_dir(path: str) -> None:
+    """Delete a directory this store made; refuse anything else found at that name."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise StreamIOError(f"refusing to delete {path}: not a plain directory (a symlink or file)", path, 0)
+    shutil.rmtree(path)
 
 
 def bind_master(master: torch.optim.Optimizer, store: StreamingStore, *, read_state_with: str) -> None:

@@ -94,6 +94,17 @@ class StreamedOptimizer:
         for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
             yield self.store.entries[index].param, main, exp_avg, exp_avg_sq
 
+    def save_to(self, directory: str) -> None:
+        """Save the streamed state (mains, moments, step counts) under
+        ``directory/<config.name>``, atomically. The params, the param-group
+        options and the LR scheduler are the caller's to save, as without streaming."""
+        self.store.save_to(directory)
+
+    def load_from(self, directory: str) -> bool:
+        """Restore what :meth:`save_to` wrote (False if there is nothing); load the
+        model params beside it. Refuses, saying why, a state that does not match."""
+        return self.store.load_from(directory)
+
     def close(self) -> None:
         """Delete the scratch files; the optimizer cannot step afterwards."""
         self.store.close()

@@ -1,0 +1,210 @@
+"""Checkpoints of the streamed state: round trip, atomic replacement, verified loads.
+
+The round trip is judged against an independent resident run
+(``reference.reference_run``) of the same number of steps, never against the
+store itself.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers.adam import backend_for
+from miles_plugins.optimizers.manifest import MANIFEST_NAME, CheckpointMismatchError
+from miles_plugins.optimizers.store import Entry, StreamingStore
+from tests.unit.reference import (
+    Net,
+    assert_same_training,
+    between_steps,
+    groups,
+    loss_fn,
+    reference_run,
+    schedule,
+)
+
+STEPS, SAVE_AT = 22, 12  # SAVE_AT is after the LR drop, before the weight-decay change
+
+
+def train(model, optimizer, scheduler, streamed, steps):
+    for step in steps:
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+
+
+def fresh(tmp_path, name, dtype=torch.bfloat16, opt_cls=torch.optim.AdamW, **config):
+    model = Net(dtype)
+    optimizer = opt_cls(groups(model))
+    config.setdefault("bucket_cap_elements", 1500)
+    streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name, **config))
+    return model, optimizer, schedule(optimizer), streamed
+
+
+def state_of(model, streamed):
+    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
+    return [p.detach().clone() for p in model.parameters()], [by_param[id(p)] for p in model.parameters()]
+
+
+def save_run(tmp_path, ckpt, **kw):
+    """Train SAVE_AT steps and save everything a resume needs; returns the live objects."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
+    train(model, optimizer, scheduler, streamed, range(SAVE_AT))
+    streamed.save_to(str(ckpt))
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
+    return model, optimizer, scheduler, streamed
+
+
+def resume(tmp_path, ckpt, **kw):
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
+    rest = torch.load(ckpt / "rest.pt")
+    model.load_state_dict(rest["model"])
+    scheduler.load_state_dict(rest["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    return model, optimizer, scheduler, streamed
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
+def test_save_load_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, opt_cls):
+    ckpt = tmp_path / "ckpt"
+    first = save_run(tmp_path, ckpt, opt_cls=opt_cls)
+    first[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, opt_cls=opt_cls)
+    assert streamed.load_from(str(ckpt))
+    assert streamed.store.steps_taken == SAVE_AT
+    train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(opt_cls, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_without_the_load_the_resumed_run_differs(tmp_path):
+    """The control: resuming without the optimizer state must not match (the test can fail)."""
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt)[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS))
+    with pytest.raises(AssertionError):
+        assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_nothing_saved_loads_as_false(tmp_path):
+    *_, streamed = fresh(tmp_path, "rank0")
+    assert streamed.load_from(str(tmp_path / "empty")) is False
+    streamed.close()
+
+
+def test_a_second_save_replaces_the_first_atomically(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    train(model, optimizer, scheduler, streamed, range(SAVE_AT, SAVE_AT + 1))
+    streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]  # no partial or replaced copies left
+    manifest = json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())
+    assert manifest["steps_taken"] == SAVE_AT + 1
+    streamed.close()
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
+    train(model, optimizer, scheduler, streamed, range(SAVE_AT, SAVE_AT + 1))
+
+    import miles_plugins.optimizers.store as store_module
+
+    def failing_copy(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module, "copy_file_crc32", failing_copy)
+    with pytest.raises(OSError, match="No space left"):
+        streamed.save_to(str(ckpt))
+    assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    streamed.close()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt)[3].close()
+    return ckpt
+
+
+def refusal(tmp_path, ckpt, **kw):
+    *_, streamed = resume(tmp_path, ckpt, **kw)
+    try:
+        with pytest.raises(CheckpointMismatchError) as info:
+            streamed.load_from(str(ckpt))
+    finally:
+        streamed.close()
+    return str(info.value)
+
+
+def test_changed_moment_dtype_is_refused(tmp_path, saved):
+    assert 'moment dtype differs: checkpoint has "fp32", this run has "bf16"' in refusal(
+        tmp_path, saved, moment_dtype="bf16"
+    )
+
+
+def test_changed_layout_is_refused(tmp_path, saved):
+    assert "bucket layout differs" in refusal(tmp_path, saved, bucket_cap_elements=100_000)
+
+
+def test_truncated_bucket_file_is_refused_before_anything_is_loaded(tmp_path, saved):
+    path = saved / "rank0" / "bucket_00001.bin"
+    os.truncate(path, path.stat().st_size - 100)
+    assert "bucket_00001.bin has" in refusal(tmp_path, saved) and "truncated" in refusal(tmp_path, saved)
+
+
+def test_flipped_byte_fails_the_checksum_and_the_store_refuses_to_step(tmp_path, saved):
+    path = saved / "rank0" / "bucket_00002.bin"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x01
+    path.write_bytes(bytes(data))
+    model, optimizer, scheduler, streamed = resume(tmp_path, saved)
+    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32"):
+        streamed.load_from(str(saved))
+    loss_fn(model, 0).backward()
+    with pytest.raises(RuntimeError, match="no consistent state"):
+        optimizer.step()
+    streamed.close()
+
+
+def test_missing_manifest_is_refused(tmp_path, saved):
+    (saved / "rank0" / MANIFEST_NAME).unlink()
+    assert "holds no manifest.json" in refusal(tmp_path, saved)
+
+
+def test_manifest_naming_files_outside_its_directory_is_refused(tmp_path, saved):
+    path = saved / "rank0" / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["files"]["../evil.bin"] = {"size": 1, "crc32": 0}
+    path.write_text(json.dumps(manifest))
+    assert "names a file outside its directory: '../evil.bin'" in refusal(tmp_path, saved)
+
+
+def test_changed_topology_is_refused_naming_what_changed(tmp_path):
+    def store(name, topology):
+        params = [torch.zeros(100, dtype=torch.bfloat16) for _ in range(3)]
+        entries = [Entry(param=p, main=p.float(), group_index=0) for p in params]
+        return StreamingStore(
+            entries,
+            backend_for(torch.optim.AdamW([e.main for e in entries])),
+            StreamConfig(directory=str(tmp_path / "scratch"), name=name),
+            topology=topology,
+        )
+
+    first = store("r0", {"dp_size": 2, "dp_rank": 0, "tp_size": 1})
+    first.save_to(str(tmp_path / "ckpt"))
+    first.close()
+    second = store("r0", {"dp_size": 4, "dp_rank": 0, "tp_size": 1})
+    with pytest.raises(
+        CheckpointMismatchError, match=r"parallel topology differs \(checkpoint -> this run\): dp_size 2 -> 4"
+    ):
+        second.load_from(str(tmp_path / "ckpt"))
+    second.close()
