@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint format venv clean
+.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,30 @@ test: venv
 test-gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m pytest -q -m gpu tests/gpu
 
+# The patch series on a Megatron-LM tree (a checkout, or a dir holding megatron/ such as
+# a megatron-core >= 0.17 wheel's site-packages): idempotent; nothing changes on a conflict.
+apply-patches revert-patches patch-status drift: MEGATRON_CLI = $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m megatron_hooks
+apply-patches:
+	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
+	$(MEGATRON_CLI) apply --megatron-dir "$(MEGATRON_DIR)"
+
+revert-patches:
+	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
+	$(MEGATRON_CLI) revert --megatron-dir "$(MEGATRON_DIR)"
+
+patch-status:
+	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
+	$(MEGATRON_CLI) status --megatron-dir "$(MEGATRON_DIR)"
+
+drift: venv
+	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
+	$(PY) -m megatron_hooks drift --megatron-dir "$(MEGATRON_DIR)"
+
+# The matrix of Megatron sources (ci/matrix.toml). Wheel entries need only the package
+# registry; git entries run given local clones: make matrix MEGATRON_REPOS="/src/Megatron-LM /src/radixark".
+matrix: venv
+	$(PY) -m ci.matrix $(foreach r,$(MEGATRON_REPOS),--megatron-repo $(r)) --json matrix-results.json
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -36,4 +60,4 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache matrix-results.json

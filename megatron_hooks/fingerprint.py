@@ -156,6 +156,20 @@ def check_file(pin: Pin, file: str) -> Finding:
     return Finding(pin, status, fp, file, node.lineno)
 
 
+class TreeError(RuntimeError):
+    """A directory that holds no Megatron sources."""
+
+
+def source_root(directory: str | os.PathLike) -> str:
+    """The directory holding ``megatron/`` (given it, or ``megatron/`` itself)."""
+    given = os.path.abspath(directory)
+    if os.path.isdir(os.path.join(given, "megatron", "core")):
+        return given
+    if os.path.basename(given) == "megatron" and os.path.isdir(os.path.join(given, "core")):
+        return os.path.dirname(given)
+    raise TreeError(f"no megatron/core under {given}: point --megatron-dir at a Megatron-LM tree or an unpacked wheel")
+
+
 def check_tree(pins: Iterable[Pin], root: str) -> list[Finding]:
     """Check pins against a source tree or an unpacked wheel rooted at ``root``."""
     return [check_file(pin, os.path.join(root, pin.path)) for pin in pins]

@@ -6,18 +6,26 @@ Public entry points:
 - :class:`StreamingStore`: the bucket lifecycle (step, refresh, save, load).
 - :class:`StreamedOptimizer`: the plain-PyTorch front end over a
   ``torch.optim.Adam``/``AdamW``.
+
+They are imported on first use, so that ``miles_plugins.optimizers.pins`` (read
+by the torch-free ``python -m megatron_hooks drift``) does not import torch.
 """
 
-from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.io import StreamIOError
-from miles_plugins.optimizers.store import StepStats, StreamingStore
-from miles_plugins.optimizers.torch_front import StreamedOptimizer
+import importlib
 
-__all__ = [
-    "StepStats",
-    "StreamConfig",
-    "StreamConfigError",
-    "StreamIOError",
-    "StreamedOptimizer",
-    "StreamingStore",
-]
+_EXPORTS = {
+    "StepStats": "miles_plugins.optimizers.store",
+    "StreamConfig": "miles_plugins.optimizers.config",
+    "StreamConfigError": "miles_plugins.optimizers.config",
+    "StreamIOError": "miles_plugins.optimizers.io",
+    "StreamedOptimizer": "miles_plugins.optimizers.torch_front",
+    "StreamingStore": "miles_plugins.optimizers.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

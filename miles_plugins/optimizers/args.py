@@ -110,6 +110,11 @@ _REFUSALS = [
         "storage streaming evicts",
     ),
     (
+        lambda a: _get(a, "non_persistent_ckpt_type") == "local",
+        "--non-persistent-ckpt-type is 'local': local checkpoints bypass the directory the hooks save the "
+        "streamed state into; use 'global'",
+    ),
+    (
         lambda a: _get(a, "indep_dp", False),
         "--indep-dp is on: rank numbering restarts per cell, so streaming directories of different "
         "processes would collide",

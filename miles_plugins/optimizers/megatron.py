@@ -13,11 +13,14 @@ optimizer state:
 - ``reload_model_params``: rebuilds the streamed mains from the model params (or
   from a state dict's params), bucket by bucket; moments are left as they are.
 - ``state_dict`` / ``load_state_dict`` / ``sharded_state_dict``: the param-group
-  options and the grad scaler only, never the evicted mains or moments (those
-  bytes travel through the store's ``save_to`` / ``load_from``, called by the
-  checkpoint hooks). The LR scheduler state Megatron saves beside them is
-  untouched. Until the hooks land, ``load_state_dict`` refuses every
-  checkpoint, naming why: resuming needs ``--no-load-optim``.
+  options, the grad scaler and a marker with the step count, never the evicted
+  mains or moments (those bytes travel through the store's ``save_to`` /
+  ``load_from``, called by the checkpoint hooks in the patched
+  ``megatron/training/checkpointing.py``). ``load_state_dict`` restores the
+  group options and arms the load: the hook that runs after it must then find
+  this store's files in the checkpoint, and the next step refuses if it did not
+  run. A checkpoint written without streaming is refused (it would restart Adam
+  from zero); ``--no-load-optim`` starts fresh instead.
 - ``save_parameter_state`` / ``load_parameter_state`` (the legacy checkpoint
   format's per-rank state file): no-ops, for the same reason.
 - ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): no-ops; the
@@ -42,10 +45,14 @@ from typing import Any
 
 import torch
 
+from megatron_hooks import fingerprint
+from megatron_hooks.checkpoint import check_patched
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
 from miles_plugins.optimizers.adam import backend_for
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.store import Entry, StreamingStore, bind_master
+from miles_plugins.optimizers.manifest import CheckpointMismatchError
+from miles_plugins.optimizers.pins import PINS
+from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore, bind_master
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +174,15 @@ def check_supported(dist_opt: Any) -> None:
         )
 
 
+def check_upstream() -> None:
+    """Refuse to stream on a Megatron this binding was not validated on: the
+    checkpoint hooks must be in ``megatron/training/checkpointing.py`` at this
+    ABI version, and every pinned upstream function must have a validated
+    fingerprint (the tripwire; see ``pins.py``)."""
+    check_patched()
+    fingerprint.check_live(PINS)
+
+
 class MegatronBinding:
     """The streamed state of one ``DistributedOptimizer`` and its instance bindings.
 
@@ -174,8 +190,9 @@ class MegatronBinding:
     and before ``load_checkpoint``. Construction checks the optimizer
     (:func:`check_supported`), writes every fp32 main to the store's files and
     releases their device storage, then rebinds the optimizer's state entry
-    points (see the module docstring). The store is also reachable as
-    ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)`` for the hooks.
+    points (see the module docstring). The binding is the store the checkpoint
+    hooks call (``megatron_hooks.contract.OptimizerStateStore``), reachable as
+    ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)``.
     """
 
     def __init__(self, dist_opt: Any, config: StreamConfig) -> None:
@@ -187,8 +204,71 @@ class MegatronBinding:
             backend_for(dist_opt.optimizer),
             config,
             copy_to_model=self._copy_main_to_param_buffer,
+            topology=self._topology(),
         )
+        # The streamed marker of a loaded optimizer state dict, until the load hook
+        # has restored the files it promises.
+        self._awaiting_state: dict | None = None
         self._bind()
+
+    # ---- the store contract (called by the checkpoint hooks) -------------------
+
+    def step(self) -> StepStats:
+        if self._awaiting_state is not None:
+            raise RuntimeError(
+                "the optimizer's state dict was loaded from a checkpoint, but its streamed state was not: the "
+                "load hook in megatron/training/checkpointing.py did not run (is this the patched tree?). "
+                "Stepping now would apply Adam to the initial mains"
+            )
+        return self.store.step()
+
+    def refresh_main_from_model_params(self, copy_fn) -> None:
+        self.store.refresh_main_from_model_params(copy_fn)
+
+    def save_to(self, base_dir: str) -> None:
+        self.store.save_to(base_dir)
+
+    def load_from(self, base_dir: str) -> bool:
+        expected, self._awaiting_state = self._awaiting_state, None
+        if expected is None:
+            # Megatron did not load the optimizer state (--no-load-optim, --finetune, a
+            # release checkpoint): the mains were rebuilt from the loaded params.
+            logger.warning(
+                "%s: the optimizer state is not loaded from this checkpoint; Adam starts fresh from the loaded params",
+                self.store.config.name,
+            )
+            return False
+        if not self.store.load_from(base_dir):
+            raise CheckpointMismatchError(
+                f"the checkpoint's optimizer state dict says its state was streamed (step "
+                f"{expected['steps_taken']}), but {base_dir} holds no state for {self.store.config.name}: the "
+                "files were removed, or this run's ranks or chain differ from the run that saved it"
+            )
+        if self.store.steps_taken != expected["steps_taken"]:
+            raise CheckpointMismatchError(
+                f"{base_dir}/{self.store.config.name} holds the state after step {self.store.steps_taken}, the "
+                f"checkpoint's optimizer state dict was saved after step {expected['steps_taken']}: they come "
+                "from different saves"
+            )
+        return True
+
+    def _topology(self) -> dict[str, int]:
+        """Parallel sizes and this rank's coordinates: a checkpoint loads only into the same."""
+        from megatron.core import parallel_state as mpu
+
+        opt = self.dist_opt
+        return {
+            "world_size": torch.distributed.get_world_size(),
+            "tp_size": mpu.get_tensor_model_parallel_world_size(),
+            "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "pp_size": mpu.get_pipeline_model_parallel_world_size(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "ep_size": mpu.get_expert_model_parallel_world_size(),
+            "ep_rank": mpu.get_expert_model_parallel_rank(),
+            "dp_size": opt.data_parallel_group.size(),
+            "dp_rank": opt.data_parallel_group.rank(),
+            "optimizer_instance": opt.distributed_optimizer_instance_id,
+        }
 
     # ---- entries ---------------------------------------------------------------
 
@@ -266,7 +346,7 @@ class MegatronBinding:
 
     def _bind(self) -> None:
         opt, store = self.dist_opt, self.store
-        bind_master(opt.optimizer, store, read_state_with="MegatronBinding.iter_state()")
+        bind_master(opt.optimizer, self, read_state_with="MegatronBinding.iter_state()")
         upstream_step_with_ready_grads = opt.step_with_ready_grads
 
         def step_with_ready_grads(self_: Any) -> bool:
@@ -323,7 +403,7 @@ class MegatronBinding:
             ("restore_from_cpu", offload_state),
         ):
             setattr(opt, name, types.MethodType(fn, opt))
-        setattr(opt, STORE_ATTR, store)
+        setattr(opt, STORE_ATTR, self)
 
     @torch.no_grad()
     def _reload_mains(self, state_dict: dict | None) -> None:
@@ -352,18 +432,29 @@ class MegatronBinding:
         return state
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        if STREAMED_STATE_KEY not in state_dict:
-            raise StreamConfigError(
+        marker = state_dict.get(STREAMED_STATE_KEY)
+        if marker is None:
+            raise CheckpointMismatchError(
                 "this checkpoint's optimizer state was written without optimizer-state streaming: loading it "
                 "here would restart Adam from zero behind your back. Resume it without streaming, or load "
-                "with --no-load-optim to start the optimizer fresh"
+                "with --no-load-optim to start the optimizer fresh from the loaded params"
             )
-        raise StreamConfigError(
-            "this checkpoint holds streamed optimizer state, and restoring it needs the checkpoint hooks "
-            "(the patch series for megatron/training/checkpointing.py), which this version does not have yet: "
-            "the mains and moments would silently stay at their initial values. Load with --no-load-optim "
-            "(the mains are then rebuilt from the loaded model params and Adam starts fresh)"
-        )
+        if marker.get("hook_abi_version") != HOOK_ABI_VERSION:
+            raise CheckpointMismatchError(
+                f"this checkpoint's streamed optimizer state was written with hook ABI "
+                f"{marker.get('hook_abi_version')}, this version reads {HOOK_ABI_VERSION}"
+            )
+        groups = self.dist_opt.optimizer.param_groups
+        saved_groups = state_dict["optimizer"]["param_groups"]
+        if len(saved_groups) != len(groups):
+            raise CheckpointMismatchError(
+                f"the checkpoint has {len(saved_groups)} optimizer param groups, this optimizer {len(groups)}"
+            )
+        for group, saved in zip(groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.dist_opt.grad_scaler and "grad_scaler" in state_dict:
+            self.dist_opt.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._awaiting_state = dict(marker)
 
     def _sharded_state_dict(self) -> dict:
         # The same wrapping upstream gives its non-reshardable formats' common state
@@ -404,6 +495,8 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     members = chained_distributed_optimizers(optimizer)
     for _, member in members:
         check_supported(member)
+    if members:
+        check_upstream()
     bindings: list[MegatronBinding] = []
     try:
         for index, member in members:

@@ -51,10 +51,6 @@ def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[Megatro
     Returns one binding per streamed optimizer, in chain order.
     """
     bindings = attach(optimizer, config)
-    logger.warning(
-        "checkpoints do not carry the streamed optimizer state yet (the checkpointing hooks are not in this "
-        "version): a checkpoint saved now resumes only with --no-load-optim"
-    )
     if not bindings:
         logger.warning("optimizer-state streaming is on but the optimizer chain holds no params on this rank")
     for binding in bindings:

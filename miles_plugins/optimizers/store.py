@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hooks.contract import OptimizerStateStore
 from miles_plugins.optimizers.adam import AdamBackend, BucketOptimizer
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
 from miles_plugins.optimizers.io import (
@@ -678,7 +679,7 @@ def _remove_private_dir(path: str) -> None:
     shutil.rmtree(path)
 
 
-def bind_master(master: torch.optim.Optimizer, store: StreamingStore, *, read_state_with: str) -> None:
+def bind_master(master: torch.optim.Optimizer, store: OptimizerStateStore, *, read_state_with: str) -> None:
     """Route ``master``'s own entry points to ``store``, on this instance only.
 
     The master optimizer holds no state once its state streams: its ``step``

@@ -135,6 +135,17 @@ def test_refusal_of_one_chained_optimizer_leaves_every_optimizer_unbound(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_unpatched_megatron_is_refused_before_anything_is_bound(tmp_path):
+    """megatron-core 0.16.1 (this venv) has no megatron/training: no checkpoint hooks."""
+    from megatron_hooks.checkpoint import HooksNotInstalledError
+
+    opt = distributed_optimizer()
+    with pytest.raises(HooksNotInstalledError, match="apply the patch series"):
+        attach(opt, StreamConfig(directory=str(tmp_path)))
+    assert not hasattr(opt, STORE_ATTR) and "step_with_ready_grads" not in vars(opt)
+    assert list(tmp_path.iterdir()) == []
+
+
 def parse(*flags: str) -> argparse.Namespace:
     args = add_arguments(argparse.ArgumentParser()).parse_args(list(flags))
     args.use_distributed_optimizer, args.optimizer = True, "adam"

@@ -1,0 +1,154 @@
+"""What the patched lines of ``megatron/training/checkpointing.py`` call.
+
+The patch series (``patches/``) adds, and this module answers, exactly::
+
+    # near the top of checkpointing.py: the marker and this module
+    MILES_OPTIMIZER_STATE_HOOK_ABI = 1
+    try:
+        from megatron_hooks import checkpoint as _optimizer_state_hooks
+    except ModuleNotFoundError:  # no plugin installed: the hooks are inert
+        _optimizer_state_hooks = None
+
+    # save_checkpoint: after the checkpoint (and the optimizer state) is written,
+    # before the barrier after which rank 0 marks the iteration complete
+    if _optimizer_state_hooks is not None:
+        _optimizer_state_hooks.save(args, optimizer, checkpoint_name, ckpt_type)
+
+    # load_checkpoint: after the model params and the optimizer's own state dict
+    # are loaded (or the mains rebuilt from the params)
+    if _optimizer_state_hooks is not None:
+        _optimizer_state_hooks.load(args, optimizer, checkpoint_name, ckpt_type)
+
+Both find the stores the plugin attached to the optimizer and to each chained
+optimizer (``contract.STORE_ATTR``) and do nothing when there are none, so a
+patched tree behaves as an unpatched one unless streaming is on. Each store
+owns ``<iteration dir>/streamed_optimizer_state/<store name>/``. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
+
+logger = logging.getLogger(__name__)
+
+# The module-level name the patch gives the ABI version in checkpointing.py.
+PATCH_MARKER = "MILES_OPTIMIZER_STATE_HOOK_ABI"
+# The module-level name under which checkpointing.py holds this module.
+HOOKS_NAME = "_optimizer_state_hooks"
+STATE_DIRNAME = "streamed_optimizer_state"
+
+# Megatron names an iteration directory iter_0000123 or release (get_checkpoint_name).
+_ITERATION_DIR = re.compile(r"(iter_\d{7,}|release)")
+
+
+class HooksNotInstalledError(RuntimeError):
+    """The Megatron tree in use lacks the checkpoint hooks (or has another version)."""
+
+
+def stores_of(optimizer: Any) -> list[OptimizerStateStore]:
+    """The stores attached to ``optimizer`` or to its chained optimizers, in chain order."""
+    if optimizer is None:
+        return []
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [store for member in chain if (store := getattr(member, STORE_ATTR, None)) is not None]
+
+
+def iteration_dir(checkpoint_name: str, ckpt_type: Any) -> str:
+    """The iteration directory of a checkpoint, from the name ``save_checkpoint`` /
+    ``load_checkpoint`` hold: the directory itself, except for the legacy format,
+    whose name is this rank's file ``<iteration dir>/mp_rank_XX[...]/model_optim_rng.pt``
+    (the streamed state must never go under that file's path)."""
+    kind = getattr(ckpt_type, "name", ckpt_type)
+    if kind == "LOCAL":
+        raise RuntimeError(
+            "non-persistent local checkpoints (--non-persistent-ckpt-type local) cannot carry the streamed "
+            "optimizer state; use --non-persistent-ckpt-type global"
+        )
+    path = os.path.normpath(checkpoint_name)
+    if kind == "LEGACY":
+        path = os.path.dirname(os.path.dirname(path))
+    if not _ITERATION_DIR.fullmatch(os.path.basename(path)):
+        raise RuntimeError(
+            f"cannot place the streamed optimizer state: {checkpoint_name!r} (checkpoint type {kind}) does not "
+            "resolve to an iter_XXXXXXX or release directory; Megatron's checkpoint naming changed, "
+            "recheck megatron_hooks.checkpoint.iteration_dir against get_checkpoint_name"
+        )
+    return path
+
+
+def state_dir(checkpoint_name: str, ckpt_type: Any) -> str:
+    return os.path.join(iteration_dir(checkpoint_name, ckpt_type), STATE_DIRNAME)
+
+
+def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> None:
+    """Persist every store's state into the checkpoint being saved (each rank its own)."""
+    stores = stores_of(optimizer)
+    if not stores:
+        return
+    if getattr(args, "no_save_optim", False):
+        logger.warning(
+            "--no-save-optim: the streamed optimizer state is not saved, as Megatron saves no optimizer state"
+        )
+        return
+    directory = state_dir(checkpoint_name, ckpt_type)
+    for store in stores:
+        store.save_to(directory)
+
+
+def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> None:
+    """Restore every store's state from the checkpoint being loaded.
+
+    Each store decides from what Megatron already did: when Megatron loaded the
+    optimizer's state dict (the same conditions it applies to all optimizer
+    state: ``--no-load-optim``, ``--finetune``, a release checkpoint), the store
+    must find its state here or refuse; otherwise it keeps the mains Megatron
+    rebuilt from the loaded params and starts its moments fresh.
+    """
+    stores = stores_of(optimizer)
+    if not stores:
+        return
+    directory = state_dir(checkpoint_name, ckpt_type)
+    for store in stores:
+        store.load_from(directory)
+
+
+def check_patched() -> None:
+    """Refuse unless the imported ``megatron.training.checkpointing`` carries these
+    hooks at this ABI version (streaming on an unpatched tree would write
+    checkpoints without the optimizer state)."""
+    fix = (
+        "apply the patch series: `make apply-patches MEGATRON_DIR=<the tree that provides megatron/>` "
+        "(or `python -m megatron_hooks apply --megatron-dir ...`), then restart"
+    )
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ImportError as exc:
+        raise HooksNotInstalledError(
+            f"megatron.training.checkpointing cannot be imported ({exc}): the streamed optimizer state is "
+            "saved and loaded by hooks in that file, so streaming needs the Megatron-LM training package "
+            f"(megatron-core >= 0.17 wheels include it); {fix}"
+        ) from exc
+    version = getattr(checkpointing, PATCH_MARKER, None)
+    if version is None:
+        raise HooksNotInstalledError(
+            f"{checkpointing.__file__} lacks the optimizer-state checkpoint hooks: its checkpoints would "
+            f"silently drop the streamed optimizer state; {fix}"
+        )
+    if version != HOOK_ABI_VERSION:
+        raise HooksNotInstalledError(
+            f"{checkpointing.__file__} carries checkpoint hooks for ABI {version}, this plugin speaks "
+            f"{HOOK_ABI_VERSION}: revert them (`make revert-patches`) and apply this version's series"
+        )
+    import sys
+
+    if getattr(checkpointing, HOOKS_NAME, None) is not sys.modules[__name__]:
+        raise HooksNotInstalledError(
+            f"{checkpointing.__file__} is patched but its hooks module is "
+            f"{getattr(checkpointing, HOOKS_NAME, None)!r}, not {__name__}: megatron_hooks was not importable "
+            "when checkpointing.py was first imported"
+        )

@@ -1,0 +1,87 @@
+"""What the patched checkpointing.py lines call: store discovery across a chain, the
+iteration directory per checkpoint format, the save/load dispatch into real stores,
+and the refusal of a tree without the hooks."""
+
+import types
+
+import pytest
+import torch
+
+from megatron_hooks import checkpoint as hooks
+from megatron_hooks.contract import STORE_ATTR, OptimizerStateStore
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+
+
+class Chain:
+    """Stands in for Megatron's ChainedOptimizer: only ``chained_optimizers`` is read."""
+
+    def __init__(self, *members):
+        self.chained_optimizers = list(members)
+
+
+def streamed(tmp_path, name, seed):
+    torch.manual_seed(seed)
+    param = torch.randn(300, dtype=torch.bfloat16, requires_grad=True)
+    optimizer = torch.optim.AdamW([param], lr=1e-2)
+    front = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name))
+    holder = types.SimpleNamespace()
+    setattr(holder, STORE_ATTR, front.store)
+    param.grad = torch.randn_like(param)
+    front.step()
+    return param, front, holder
+
+
+def test_iteration_dir_per_checkpoint_format():
+    assert hooks.iteration_dir("/ck/iter_0000010", "GLOBAL") == "/ck/iter_0000010"
+    legacy = "/ck/iter_0000010/mp_rank_00_001/model_optim_rng.pt"
+    assert hooks.iteration_dir(legacy, types.SimpleNamespace(name="LEGACY")) == "/ck/iter_0000010"
+    assert hooks.iteration_dir("/ck/release/mp_rank_00/model_optim_rng.pt", "LEGACY") == "/ck/release"
+    with pytest.raises(RuntimeError, match="--non-persistent-ckpt-type global"):
+        hooks.iteration_dir("/ck/iter_0000010", "LOCAL")
+    with pytest.raises(RuntimeError, match="naming changed"):
+        hooks.iteration_dir("/ck/iter_0000010/mp_rank_00/model_optim_rng.pt", "GLOBAL")
+
+
+def test_save_and_load_reach_every_store_in_the_chain(tmp_path):
+    (p0, s0, h0), (_, s1, h1) = streamed(tmp_path, "rank0.opt0", 0), streamed(tmp_path, "rank0.opt1", 1)
+    assert isinstance(s0.store, OptimizerStateStore)
+    chain = Chain(h0, types.SimpleNamespace(), h1)  # a member without a store (stub) is skipped
+    assert hooks.stores_of(chain) == [s0.store, s1.store]
+    name = str(tmp_path / "ckpt" / "iter_0000001")
+    hooks.save(types.SimpleNamespace(no_save_optim=False), chain, name, "GLOBAL")
+    saved = tmp_path / "ckpt" / "iter_0000001" / hooks.STATE_DIRNAME
+    assert sorted(p.name for p in saved.iterdir()) == ["rank0.opt0", "rank0.opt1"]
+    before = [m.clone() for _, m, _, _ in s0.iter_state()]
+    p0.grad = torch.randn_like(p0)
+    s0.step()
+    hooks.load(types.SimpleNamespace(), chain, name, "GLOBAL")
+    assert s0.store.steps_taken == 1
+    assert all(torch.equal(a, b) for a, (_, b, _, _) in zip(before, s0.iter_state(), strict=True))
+    s0.close()
+    s1.close()
+
+
+def test_no_save_optim_saves_nothing(tmp_path, caplog):
+    _, front, holder = streamed(tmp_path, "rank0", 0)
+    hooks.save(types.SimpleNamespace(no_save_optim=True), holder, str(tmp_path / "iter_0000001"), "GLOBAL")
+    assert not (tmp_path / "iter_0000001").exists()
+    assert "--no-save-optim" in caplog.text
+    front.close()
+
+
+def test_no_stores_means_the_hooks_do_nothing(tmp_path):
+    hooks.save(types.SimpleNamespace(), None, str(tmp_path / "x"), "LOCAL")  # not even the LOCAL refusal
+    hooks.load(types.SimpleNamespace(), Chain(types.SimpleNamespace()), str(tmp_path / "x"), "GLOBAL")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tree_without_the_hooks_is_refused():
+    pytest.importorskip("megatron.core")
+    try:
+        import megatron.training.checkpointing  # noqa: F401
+    except ImportError:
+        # megatron-core < 0.17 (the CPU venv): no training package at all.
+        with pytest.raises(hooks.HooksNotInstalledError, match="megatron.training.checkpointing cannot be imported"):
+            hooks.check_patched()
+    else:
+        pytest.skip("megatron.training is importable here; the GPU tier checks a patched tree")

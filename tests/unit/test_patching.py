@@ -1,0 +1,107 @@
+"""The patch series and its tooling on real megatron-core wheels (downloaded from the
+package registry into .cache/ on first use), as a plain directory and as a git checkout."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from ci.megatron_sources import wheel_tree
+from megatron_hooks import __main__ as cli
+from megatron_hooks import patching
+
+
+@pytest.fixture(scope="module")
+def wheel_019(tmp_path_factory):
+    return wheel_tree("0.19.2", tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture
+def tree(wheel_019, tmp_path):
+    dest = tmp_path / "site"
+    shutil.copytree(wheel_019, dest)
+    return dest
+
+
+def target(root):
+    return root / patching.TARGET
+
+
+def test_apply_is_idempotent_and_revert_restores_every_byte(tree):
+    original = target(tree).read_bytes()
+    assert patching.status(tree).state == "unpatched"
+    assert patching.apply(tree).startswith("applied 3 patches")
+    patched = target(tree).read_bytes()
+    assert patching.status(tree).state == "patched"
+    assert patching.status(tree).hooks == {"save": True, "load": True}
+    assert patching.apply(tree).startswith("already applied")
+    assert target(tree).read_bytes() == patched  # no duplicated hooks
+    assert patching.revert(tree).startswith("reverted 3 patches")
+    assert target(tree).read_bytes() == original
+    assert patching.revert(tree).startswith("nothing to revert")
+
+
+def test_the_save_hook_runs_after_the_checkpoint_is_written_and_before_the_tracker(tree):
+    patching.apply(tree)
+    lines = target(tree).read_text().splitlines()
+    save = next(i for i, line in enumerate(lines) if "_optimizer_state_hooks.save(" in line)
+    torch_save = max(i for i, line in enumerate(lines[:save]) if "torch.save(state_dict, checkpoint_name)" in line)
+    tracker = next(i for i, line in enumerate(lines) if i > save and "f.write('release' if release" in line)
+    assert torch_save < save < tracker
+    load = next(i for i, line in enumerate(lines) if "_optimizer_state_hooks.load(" in line)
+    reload = max(i for i, line in enumerate(lines[:load]) if "optimizer.reload_model_params()" in line)
+    assert load - reload < 5
+
+
+def test_the_megatron_directory_itself_is_accepted(tree):
+    assert patching.apply(tree / "megatron").startswith("applied")
+
+
+def test_a_conflict_changes_nothing_and_names_the_hunk(tree):
+    text = target(tree).read_text()
+    text = text.replace("    # rerun state\n", "    # rerun-state handling moved\n")
+    target(tree).write_text(text)
+    with pytest.raises(patching.PatchError) as info:
+        patching.apply(tree)
+    message = str(info.value)
+    assert "nothing was changed" in message
+    assert "0003-checkpointing-load-the-streamed-optimizer-state-with.patch" in message
+    assert "# rerun state" in message  # the context it looked for
+    assert target(tree).read_text() == text
+
+
+def test_a_git_checkout_is_patched_in_its_work_tree(tree):
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q", str(tree)], check=True)
+    subprocess.run([*git, "-C", str(tree), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(tree), "commit", "-qm", "base"], check=True)
+    patching.apply(tree)
+    changed = subprocess.run(
+        ["git", "-C", str(tree), "diff", "--stat"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "megatron/training/checkpointing.py" in changed and "15 insertions" in changed
+    patching.revert(tree)
+    assert subprocess.run(["git", "-C", str(tree), "diff"], capture_output=True, text=True).stdout == ""
+
+
+def test_foreign_hooks_are_detected_and_not_stacked_on(tree):
+    text = target(tree).read_text()
+    # The marker of radixark/Megatron-LM #63's hooks (not their code).
+    target(tree).write_text(text + "\n_FOREIGN = '_nvme_state_store'\n")
+    assert patching.status(tree).state == "foreign"
+    with pytest.raises(patching.PatchError, match="radixark/Megatron-LM #63"):
+        patching.apply(tree)
+
+
+def test_a_wheel_without_megatron_training_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    with pytest.raises(patching.PatchError, match="before 0.17 do not ship"):
+        patching.status(tmp_path)
+
+
+def test_cli_exit_codes(tree, capsys):
+    assert cli.main(["status", "--megatron-dir", str(tree)]) == 1
+    assert cli.main(["apply", "--megatron-dir", str(tree)]) == 0
+    assert cli.main(["status", "--megatron-dir", str(tree)]) == 0
+    assert cli.main(["apply", "--megatron-dir", str(tree / "nowhere")]) == 2
+    assert "no megatron/training/checkpointing.py" in capsys.readouterr().err
