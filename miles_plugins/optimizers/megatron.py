@@ -423,16 +423,21 @@ class MegatronBinding:
     def _state_dict(self) -> dict:
         opt = self.dist_opt
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        # The marker sits inside "optimizer", the one object upstream's state dicts
+        # also carry: loading a checkpoint written without streaming then reaches
+        # _load_state_dict's refusal instead of a missing-key error from the loader.
         state = {
-            "optimizer": {"param_groups": groups},
-            STREAMED_STATE_KEY: {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": self.store.steps_taken},
+            "optimizer": {
+                "param_groups": groups,
+                STREAMED_STATE_KEY: {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": self.store.steps_taken},
+            }
         }
         if opt.grad_scaler:
             state["grad_scaler"] = opt.grad_scaler.state_dict()
         return state
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        marker = state_dict.get(STREAMED_STATE_KEY)
+        marker = (state_dict.get("optimizer") or {}).get(STREAMED_STATE_KEY)
         if marker is None:
             raise CheckpointMismatchError(
                 "this checkpoint's optimizer state was written without optimizer-state streaming: loading it "

@@ -137,11 +137,12 @@ def batch(step: int) -> tuple[torch.Tensor, ...]:
     return tokens[:, :-1], position_ids, mask, tokens[:, 1:]
 
 
-def train(ddp, optimizer, scheduler, baseline: int, steps: int) -> dict:
-    """Train ``steps`` steps; per step, the GPU peak during ``optimizer.step()``
-    above ``baseline`` (model, grads, optimizer state and the step's temporaries)."""
+def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0) -> dict:
+    """Train steps ``start`` .. ``start + steps - 1``; per step, the GPU peak during
+    ``optimizer.step()`` above ``baseline`` (model, grads, optimizer state and the
+    step's temporaries)."""
     losses, peaks, lrs = [], [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         tokens, position_ids, mask, labels = batch(step)

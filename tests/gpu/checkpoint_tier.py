@@ -1,0 +1,196 @@
+"""GPU tier: streamed optimizer state through Megatron's own save_checkpoint / load_checkpoint.
+
+Each phase runs in its own process (torchrun), against a Megatron tree the patch
+series was applied to::
+
+    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase reference --work W
+    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase save --work W --format torch_dist
+    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase resume --work W --format torch_dist
+    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase refuse --work W
+    torchrun --nproc-per-node=2 -m tests.gpu.checkpoint_tier --phase refuse-dp --work W
+
+- ``reference``: an uninterrupted *resident* run of 2K steps (the independent
+  reference), and a checkpoint saved at step K without streaming.
+- ``save``: streamed K steps, then ``save_checkpoint``.
+- ``resume``: a new process streams, ``load_checkpoint``s, trains K more steps;
+  params, mains, moments and losses must equal the reference byte for byte.
+- ``refuse`` / ``refuse-dp``: loads that must be refused, each with its reason:
+  another moment dtype, a checkpoint written without streaming, a truncated
+  bucket file, another data-parallel size.
+
+Every phase writes ``<work>/<phase>[-<format>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.gpu.megatron_tier import (
+    all_same,
+    build,
+    flags,
+    init_distributed,
+    params_of,
+    resident_state,
+    streamed_state,
+    train,
+)
+
+K = 6
+
+
+def megatron_args(work: str, ckpt_format: str, save: str) -> argparse.Namespace:
+    """Megatron's own parsed and validated arguments (its checkpoint code reads them globally)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    dp = dist.get_world_size()
+    argv = [
+        "checkpoint_tier",
+        *("--num-layers 4 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 8").split(),
+        *("--seq-length 32 --max-position-embeddings 32 --micro-batch-size 4").split(),
+        *f"--global-batch-size {4 * dp} --train-iters 100 --save-interval 1000 --lr 1e-3 --min-lr 1e-4".split(),
+        *"--bf16 --use-distributed-optimizer --vocab-size 1024 --tokenizer-type NullTokenizer".split(),
+        *"--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm".split(),
+        *f"--save {save} --load {save} --ckpt-format {ckpt_format}".split(),
+    ]
+    saved_argv, sys.argv = sys.argv, argv
+    try:
+        args = parse_args()
+    finally:
+        sys.argv = saved_argv
+    validate_args(args, {})
+    set_global_variables(args, build_tokenizer=False)
+    return args
+
+
+def streamed(work: str, scratch: str, moment_dtype: str = "fp32"):
+    from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
+
+    ddp, opt, sched, baseline = build(False, 1)
+    bindings = setup_optimizer_state_streaming(flags(os.path.join(work, scratch), moment_dtype), opt)
+    return ddp, opt, sched, baseline, bindings
+
+
+def phase_reference(work: str) -> dict:
+    from megatron.training.checkpointing import save_checkpoint
+
+    megatron_args(work, "torch_dist", os.path.join(work, "ckpt_unstreamed"))
+    ddp, opt, sched, baseline = build(False, 1)
+    first = train(ddp, opt, sched, baseline, K)
+    save_checkpoint(K, [ddp], opt, sched, 0)
+    second = train(ddp, opt, sched, baseline, K, start=K)
+    torch.save(
+        {"params": params_of(ddp), "state": resident_state(opt), "losses": first["losses"] + second["losses"]},
+        os.path.join(work, f"reference-rank{dist.get_rank()}.pt"),
+    )
+    return {"losses": first["losses"] + second["losses"]}
+
+
+def phase_save(work: str, ckpt_format: str) -> dict:
+    from megatron.training.checkpointing import save_checkpoint
+
+    megatron_args(work, ckpt_format, os.path.join(work, f"ckpt_{ckpt_format}"))
+    ddp, opt, sched, baseline, bindings = streamed(work, "scratch_save")
+    first = train(ddp, opt, sched, baseline, K)
+    save_checkpoint(K, [ddp], opt, sched, 0)
+    iteration_dir = os.path.join(work, f"ckpt_{ckpt_format}", f"iter_{K:07d}")
+    return {"losses": first["losses"], "iteration_dir": sorted(os.listdir(iteration_dir))}
+
+
+def phase_resume(work: str, ckpt_format: str) -> dict:
+    from megatron.training.checkpointing import load_checkpoint
+
+    megatron_args(work, ckpt_format, os.path.join(work, f"ckpt_{ckpt_format}"))
+    ddp, opt, sched, baseline, bindings = streamed(work, "scratch_resume")
+    iteration, _ = load_checkpoint([ddp], opt, sched)
+    steps_after_load = [b.store.steps_taken for b in bindings]
+    second = train(ddp, opt, sched, baseline, K, start=K)
+    reference = torch.load(os.path.join(work, f"reference-rank{dist.get_rank()}.pt"))
+    state = streamed_state(bindings)
+    return {
+        "iteration": iteration,
+        "steps_after_load": steps_after_load,
+        "losses_identical": second["losses"] == reference["losses"][K:],
+        "losses": second["losses"],
+        "reference_losses": reference["losses"][K:],
+        "params_identical": all_same(params_of(ddp), reference["params"]),
+        "mains_identical": all_same([s[0] for s in state], [s[0] for s in reference["state"]]),
+        "moments_identical": len(state) == len(reference["state"])
+        and all(all_same(s[1:], r[1:]) for s, r in zip(state, reference["state"], strict=True)),
+    }
+
+
+def refused(work: str, case: str, load_dir: str, moment_dtype: str = "fp32") -> str:
+    """Build a streamed optimizer, load ``load_dir``; return the refusal's message."""
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.global_vars import get_args
+
+    get_args().load = load_dir
+    ddp, opt, sched, baseline, bindings = streamed(work, f"scratch_{case}", moment_dtype)
+    try:
+        load_checkpoint([ddp], opt, sched)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for b in bindings:
+            b.store.close()
+    return "NOT REFUSED"
+
+
+def phase_refuse(work: str) -> dict:
+    megatron_args(work, "torch_dist", os.path.join(work, "ckpt_torch_dist"))
+    truncated = os.path.join(work, "ckpt_truncated")
+    shutil.rmtree(truncated, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "ckpt_torch_dist"), truncated)
+    bucket = os.path.join(truncated, f"iter_{K:07d}", "streamed_optimizer_state", "rank0.opt0", "bucket_00003.bin")
+    os.truncate(bucket, os.path.getsize(bucket) - 4096)
+    return {
+        "moment_dtype": refused(work, "dtype", os.path.join(work, "ckpt_torch_dist"), "bf16"),
+        "unstreamed": refused(work, "unstreamed", os.path.join(work, "ckpt_unstreamed")),
+        "truncated": refused(work, "truncated", truncated),
+    }
+
+
+def phase_refuse_dp(work: str) -> dict:
+    megatron_args(work, "torch_dist", os.path.join(work, "ckpt_torch_dist"))
+    return {"dp_size": refused(work, "dp", os.path.join(work, "ckpt_torch_dist"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", required=True, choices=["reference", "save", "resume", "refuse", "refuse-dp"])
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--format", default="torch_dist", choices=["torch_dist", "torch"])
+    args = parser.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.makedirs(args.work, exist_ok=True)
+    init_distributed(1)
+    torch.use_deterministic_algorithms(True)
+    run = {
+        "reference": lambda: phase_reference(args.work),
+        "save": lambda: phase_save(args.work, args.format),
+        "resume": lambda: phase_resume(args.work, args.format),
+        "refuse": lambda: phase_refuse(args.work),
+        "refuse-dp": lambda: phase_refuse_dp(args.work),
+    }[args.phase]
+    result = run()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, result)
+    if dist.get_rank() == 0:
+        suffix = f"-{args.format}" if args.phase in ("save", "resume") else ""
+        with open(os.path.join(args.work, f"{args.phase}{suffix}.json"), "w") as f:
+            json.dump(per_rank, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""GPU tier for the checkpoint hooks: save through Megatron's save_checkpoint, resume in a
+new process through load_checkpoint, byte-identical to an uninterrupted run; and the
+loads that must be refused.
+
+Needs CUDA, and a Megatron whose megatron/training carries the patch series
+(``make apply-patches MEGATRON_DIR=...``; for a carried wheel, its site dir).
+The data-parallel refusal needs two GPUs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    try:
+        import megatron.training.checkpointing  # noqa: F401
+    except ImportError as exc:
+        return f"needs megatron.training (a Megatron-LM tree or megatron-core >= 0.17): {exc}"
+    return None
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from megatron_hooks.checkpoint import check_patched
+
+    check_patched()  # fail, not skip: this tier exists to test the patched tree
+    return tmp_path_factory.mktemp("ckpt_tier")
+
+
+def phase(work: Path, name: str, nproc: int = 1, ckpt_format: str = "torch_dist") -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
+    cmd += ["-m", "tests.gpu.checkpoint_tier", "--phase", name, "--work", str(work), "--format", ckpt_format]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, f"phase {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    suffix = f"-{ckpt_format}" if name in ("save", "resume") else ""
+    result = json.loads((work / f"{name}{suffix}.json").read_text())
+    print(name, ckpt_format, json.dumps(result, indent=1))
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    return phase(work, "reference")
+
+
+@pytest.fixture(scope="module")
+def saved(work, reference):
+    """A streamed torch_dist checkpoint at step 6 (the resume and the refusals load it)."""
+    return phase(work, "save")
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_save_then_resume_in_a_new_process_is_byte_identical(work, saved, ckpt_format):
+    (result,) = saved if ckpt_format == "torch_dist" else phase(work, "save", ckpt_format=ckpt_format)
+    assert "streamed_optimizer_state" in result["iteration_dir"]
+    (resumed,) = phase(work, "resume", ckpt_format=ckpt_format)
+    assert resumed["iteration"] == 6 and resumed["steps_after_load"] == [6]
+    assert resumed["losses_identical"], (resumed["losses"], resumed["reference_losses"])
+    assert resumed["params_identical"] and resumed["mains_identical"] and resumed["moments_identical"]
+
+
+def test_loads_that_do_not_match_are_refused_with_their_reason(work, saved):
+    (refusals,) = phase(work, "refuse")
+    assert "moment dtype differs" in refusals["moment_dtype"]
+    assert "written without optimizer-state streaming" in refusals["unstreamed"]
+    assert "bucket_00003.bin has" in refusals["truncated"] and "truncated" in refusals["truncated"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_different_data_parallel_size_is_refused(work, saved):
+    refusals = phase(work, "refuse-dp", nproc=2)
+    assert all("dp_size 1 -> 2" in r["dp_size"] or "holds no state" in r["dp_size"] for r in refusals), refusals
