@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix
+.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench
 
 venv: $(VENV)/.installed
 
@@ -51,6 +51,10 @@ drift: venv
 matrix: venv
 	$(PY) -m ci.matrix $(foreach r,$(MEGATRON_REPOS),--megatron-repo $(r)) --json matrix-results.json
 
+# Benchmarks write JSON under bench-results/ and print a table.
+bench: venv
+	$(PY) -m bench.checkpoint_save $(BENCH_ARGS)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -60,4 +64,4 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .cache matrix-results.json
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache matrix-results.json bench-results

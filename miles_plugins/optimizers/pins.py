@@ -20,8 +20,8 @@ from megatron_hooks.fingerprint import KnownShape, Pin
 DISTRIB = "megatron/core/optimizer/distrib_optimizer.py"
 MIXED = "megatron/core/optimizer/optimizer.py"
 
-GPU_0_16 = "megatron-core 0.16.1 = core_v0.16.1 55ac708 (GPU tier)"
-GPU_0_18 = "megatron-core 0.18.2 = core_v0.18.2 571370c (GPU tier)"
+GPU_0_16 = "core_v0.16.1 55ac708 = megatron-core 0.16.1 (GPU tier)"
+GPU_0_18 = "core_v0.18.2 571370c = megatron-core 0.18.2 (GPU tier)"
 GPU_0_19 = "megatron-core 0.19.2 = core_v0.19.0 5be9626 (GPU tier)"
 REVIEW = "{} (review: {})"
 
