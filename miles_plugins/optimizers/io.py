@@ -84,7 +84,7 @@ class SyncFileEngine:
         done = 0
         while done < total:
             n = min(self.staging.nbytes, total - done)
-            self._pread_full(fd, path, offset + done, n)
+            pread_full(fd, path, offset + done, self.staging.view[:n])
             dst[done : done + n].copy_(self.staging.tensor[:n])
             done += n
 
@@ -96,49 +96,51 @@ class SyncFileEngine:
             # The copy into staging finishes before pwritev reads the buffer:
             # copy_ from a device tensor into pageable/pinned memory is synchronous.
             self.staging.tensor[:n].copy_(src[done : done + n])
-            self._pwrite_full(fd, path, offset + done, n)
+            pwrite_full(fd, path, offset + done, self.staging.view[:n])
             done += n
 
-    def _pread_full(self, fd: int, path: str, offset: int, n: int) -> None:
-        got = 0
-        while got < n:
-            try:
-                r = os.preadv(fd, [self.staging.view[got:n]], offset + got)
-            except OSError as exc:
-                raise StreamIOError(
-                    f"read of {path} failed at offset {offset + got}: {exc.strerror}",
-                    path,
-                    offset + got,
-                    exc.errno,
-                ) from exc
-            if r == 0:
-                raise StreamIOError(
-                    f"short read of {path} at offset {offset + got}: end of file after "
-                    f"{got} of {n} bytes (file truncated?)",
-                    path,
-                    offset + got,
-                )
-            got += r
 
-    def _pwrite_full(self, fd: int, path: str, offset: int, n: int) -> None:
-        put = 0
-        while put < n:
-            try:
-                w = os.pwritev(fd, [self.staging.view[put:n]], offset + put)
-            except OSError as exc:
-                raise StreamIOError(
-                    f"write of {path} failed at offset {offset + put}: {exc.strerror}",
-                    path,
-                    offset + put,
-                    exc.errno,
-                ) from exc
-            if w == 0:
-                raise StreamIOError(
-                    f"short write of {path} at offset {offset + put}: no progress after {put} of {n} bytes",
-                    path,
-                    offset + put,
-                )
-            put += w
+def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:
+    """Fill ``buffer`` from ``offset``; a read error or an early end of file raises
+    :class:`StreamIOError` naming the file and offset."""
+    n = len(buffer)
+    got = 0
+    while got < n:
+        try:
+            r = os.preadv(fd, [buffer[got:]], offset + got)
+        except OSError as exc:
+            raise StreamIOError(
+                f"read of {path} failed at offset {offset + got}: {exc.strerror}", path, offset + got, exc.errno
+            ) from exc
+        if r == 0:
+            raise StreamIOError(
+                f"short read of {path} at offset {offset + got}: end of file after {got} of {n} bytes "
+                "(file truncated?)",
+                path,
+                offset + got,
+            )
+        got += r
+
+
+def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:
+    """Write all of ``buffer`` at ``offset``; an error or no progress raises
+    :class:`StreamIOError` naming the file and offset."""
+    n = len(buffer)
+    put = 0
+    while put < n:
+        try:
+            w = os.pwritev(fd, [buffer[put:]], offset + put)
+        except OSError as exc:
+            raise StreamIOError(
+                f"write of {path} failed at offset {offset + put}: {exc.strerror}", path, offset + put, exc.errno
+            ) from exc
+        if w == 0:
+            raise StreamIOError(
+                f"short write of {path} at offset {offset + put}: no progress after {put} of {n} bytes",
+                path,
+                offset + put,
+            )
+        put += w
 
 
 def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size: int, buffer: memoryview) -> int:
@@ -148,38 +150,9 @@ def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size
     crc = 0
     done = 0
     while done < size:
-        n = min(len(buffer), size - done)
-        chunk = buffer[:n]
-        got = 0
-        while got < n:
-            try:
-                r = os.preadv(src_fd, [chunk[got:]], done + got)
-            except OSError as exc:
-                raise StreamIOError(
-                    f"read of {src_path} failed at offset {done + got}: {exc.strerror}", src_path, done + got, exc.errno
-                ) from exc
-            if r == 0:
-                raise StreamIOError(
-                    f"short read of {src_path} at offset {done + got}: the file ends before the "
-                    f"{size} bytes expected (truncated?)",
-                    src_path,
-                    done + got,
-                )
-            got += r
+        chunk = buffer[: min(len(buffer), size - done)]
+        pread_full(src_fd, src_path, done, chunk)
         crc = zlib.crc32(chunk, crc)
-        put = 0
-        while put < n:
-            try:
-                w = os.pwritev(dst_fd, [chunk[put:]], done + put)
-            except OSError as exc:
-                raise StreamIOError(
-                    f"write of {dst_path} failed at offset {done + put}: {exc.strerror}",
-                    dst_path,
-                    done + put,
-                    exc.errno,
-                ) from exc
-            if w == 0:
-                raise StreamIOError(f"short write of {dst_path} at offset {done + put}", dst_path, done + put)
-            put += w
-        done += n
+        pwrite_full(dst_fd, dst_path, done, chunk)
+        done += len(chunk)
     return crc

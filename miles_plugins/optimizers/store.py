@@ -35,6 +35,7 @@ from miles_plugins.optimizers.io import (
     copy_file_crc32,
     open_bucket_file,
     preallocate,
+    pwrite_full,
 )
 from miles_plugins.optimizers.layout import (
     MAIN_DTYPE,
@@ -456,7 +457,7 @@ class StreamingStore:
         with _create(directory, RESIDENT_FILE) as fd:
             for moment in self._resident_moments():
                 data = moment.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                _write_all(fd, os.path.join(directory, RESIDENT_FILE), data)
+                pwrite_full(fd, os.path.join(directory, RESIDENT_FILE), size, memoryview(data))
                 crc = zlib.crc32(data, crc)
                 size += len(data)
             os.fsync(fd)
@@ -648,16 +649,6 @@ def _create(directory: str, name: str) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, path: str, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except OSError as exc:
-            raise StreamIOError(f"write of {path} failed: {exc.strerror}", path, 0, exc.errno) from exc
-        view = view[n:]
 
 
 def _fsync_dir(path: str) -> None:
