@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
@@ -144,8 +145,6 @@ def check_patched() -> None:
             f"{checkpointing.__file__} carries checkpoint hooks for ABI {version}, this plugin speaks "
             f"{HOOK_ABI_VERSION}: revert them (`make revert-patches`) and apply this version's series"
         )
-    import sys
-
     if getattr(checkpointing, HOOKS_NAME, None) is not sys.modules[__name__]:
         raise HooksNotInstalledError(
             f"{checkpointing.__file__} is patched but its hooks module is "

@@ -28,7 +28,7 @@ from tests.unit.reference import (
 STEPS, SAVE_AT = 22, 12  # SAVE_AT is after the LR drop, before the weight-decay change
 
 
-def train(model, optimizer, scheduler, streamed, steps):
+def train(model, optimizer, scheduler, steps):
     for step in steps:
         loss_fn(model, step).backward()
         optimizer.step()
@@ -52,7 +52,7 @@ def state_of(model, streamed):
 def save_run(tmp_path, ckpt, **kw):
     """Train SAVE_AT steps and save everything a resume needs; returns the live objects."""
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
-    train(model, optimizer, scheduler, streamed, range(SAVE_AT))
+    train(model, optimizer, scheduler, range(SAVE_AT))
     streamed.save_to(str(ckpt))
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
     return model, optimizer, scheduler, streamed
@@ -76,7 +76,7 @@ def test_save_load_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, op
     model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, opt_cls=opt_cls)
     assert streamed.load_from(str(ckpt))
     assert streamed.store.steps_taken == SAVE_AT
-    train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
     assert_same_training(reference_run(opt_cls, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
 
@@ -86,7 +86,7 @@ def test_without_the_load_the_resumed_run_differs(tmp_path):
     ckpt = tmp_path / "ckpt"
     save_run(tmp_path, ckpt)[3].close()
     model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
-    train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
     with pytest.raises(AssertionError):
         assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
@@ -101,7 +101,7 @@ def test_nothing_saved_loads_as_false(tmp_path):
 def test_a_second_save_replaces_the_first_atomically(tmp_path):
     ckpt = tmp_path / "ckpt"
     model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
-    train(model, optimizer, scheduler, streamed, range(SAVE_AT, SAVE_AT + 1))
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
     streamed.save_to(str(ckpt))
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]  # no partial or replaced copies left
     manifest = json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())
@@ -113,7 +113,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
-    train(model, optimizer, scheduler, streamed, range(SAVE_AT, SAVE_AT + 1))
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
 
     import miles_plugins.optimizers.store as store_module
 
