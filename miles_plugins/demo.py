@@ -1,6 +1,7 @@
 """The demo: train a small model twice, resident and streamed, and compare bit for bit.
 
-    python -m miles_plugins.demo [--steps N] [--moment-dtype fp32] [--bucket-cap N] [--dir DIR]
+    python -m miles_plugins.demo [--steps N] [--moment-dtype fp32] [--main-storage fp32|remainder]
+                                 [--tier disk|host] [--engine pipelined|sync] [--bucket-cap N] [--dir DIR]
 
 It builds a small bf16 MLP language model in code, feeds it synthetic token
 batches, and trains it for N steps twice from the same seed:
@@ -29,7 +30,7 @@ import time
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.config import MOMENT_DTYPES
+from miles_plugins.optimizers.config import ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
 
 VOCAB = 512
 WIDTH = 128
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bucket-cap", type=int, default=DEMO_BUCKET_CAP, help=f"elements per bucket (default {DEMO_BUCKET_CAP})"
     )
+    parser.add_argument("--main-storage", default="fp32", choices=list(MAIN_STORAGES), help="how mains are stored")
+    parser.add_argument("--tier", default="disk", choices=list(TIERS), help="where the state lives between steps")
+    parser.add_argument("--engine", default="pipelined", choices=list(ENGINES), help="how buckets move")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch directory is created")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("-v", "--verbose", action="store_true", help="log every streamed step")
@@ -206,14 +210,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot create a scratch directory under {args.dir}: {exc.strerror}", file=sys.stderr)
         return 2
     try:
-        config = StreamConfig(directory=scratch, moment_dtype=args.moment_dtype, bucket_cap_elements=args.bucket_cap)
+        config = StreamConfig(
+            directory=scratch,
+            moment_dtype=args.moment_dtype,
+            bucket_cap_elements=args.bucket_cap,
+            main_storage=args.main_storage,
+            tier=args.tier,
+            engine=args.engine,
+        )
         data = batches(args.steps, device)
         print(
             f"training a {sum(p.numel() for p in build_model(device).parameters()):,}-param bf16 model on {device} for {args.steps} steps"
         )
         print("resident run (fp32 mains and AdamW state in memory)...", flush=True)
         resident = train_resident(device, data)
-        print(f"streamed run (state in {scratch})...", flush=True)
+        where = scratch if args.tier == "disk" else "pinned host memory"
+        print(f"streamed run ({args.engine} engine, state in {where})...", flush=True)
         streamed = train_streamed(device, data, config)
     except (StreamConfigError, StreamIOError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -226,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "device": str(device),
         "moment_dtype": args.moment_dtype,
+        "main_storage": args.main_storage,
+        "tier": args.tier,
+        "engine": args.engine,
         "bit_identical": identical,
         "buckets": streamed["buckets"],
-        "buckets_in_flight": 1,
+        "buckets_in_flight": config.depth,
         "state_bytes_total": streamed["state_bytes_total"],
         "bucket_bytes_max": streamed["bucket_bytes_max"],
         "max_resident_state_bytes": streamed["max_resident_state_bytes"],

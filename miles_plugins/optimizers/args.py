@@ -12,7 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 
-from miles_plugins.optimizers.config import DEFAULT_STAGING_CHUNK_MB, MOMENT_DTYPES, StreamConfig, StreamConfigError
+from miles_plugins.optimizers.config import (
+    DEFAULT_BUCKET_CAP_ELEMENTS,
+    DEFAULT_BUCKETS_IN_FLIGHT,
+    DEFAULT_IO_THREADS,
+    DEFAULT_STAGING_CHUNK_MB,
+    ENGINES,
+    MAIN_STORAGES,
+    MOMENT_DTYPES,
+    TIERS,
+    StreamConfig,
+    StreamConfigError,
+)
 
 STREAM_FLAG = "stream_optimizer_state_to_disk"
 DEFAULT_DIR_NAME = "optimizer_state"
@@ -32,6 +43,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=list(MOMENT_DTYPES),
         default="fp32",
         help="storage dtype of the Adam moments (fp32 is bit-exact; bf16 halves their bytes)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-tier",
+        choices=list(TIERS),
+        default="disk",
+        help="where the state lives between steps: per-bucket files (disk) or pinned host memory (host)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-engine",
+        choices=list(ENGINES),
+        default="pipelined",
+        help="pipelined (overlapped reads/compute/writes, direct I/O) or sync (one bucket at a time; a baseline)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-main-storage",
+        choices=list(MAIN_STORAGES),
+        default="fp32",
+        help="fp32 mains, or remainder: 16 bits beside the bf16 param, still bit-exact (bf16 params only)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-buckets-in-flight",
+        type=int,
+        default=DEFAULT_BUCKETS_IN_FLIGHT,
+        help="buckets on the GPU at once (pipelined): GPU memory traded for overlap",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-io-threads",
+        type=int,
+        default=DEFAULT_IO_THREADS,
+        help="requests in flight per direction (pipelined)",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-bucket-cap",
+        type=int,
+        default=DEFAULT_BUCKET_CAP_ELEMENTS,
+        help="most elements in one streaming bucket",
+    )
+    group.add_argument(
+        "--no-stream-optimizer-state-direct-io",
+        dest="stream_optimizer_state_direct_io",
+        action="store_false",
+        help="use buffered I/O for the bucket files even where O_DIRECT works",
     )
     shared = [
         (
@@ -120,6 +173,11 @@ _REFUSALS = [
         "processes would collide",
     ),
     (
+        lambda a: _get(a, "stream_optimizer_state_main_storage") == "remainder" and not _get(a, "bf16", False),
+        "--stream-optimizer-state-main-storage is 'remainder' without --bf16: the remainder rebuilds an fp32 "
+        "main from its bf16 param; use fp32 main storage",
+    ),
+    (
         lambda a: _get(a, "offload_train", False) and _get(a, "offload_train_target") != "disk",
         "--offload-train targets {offload_train_target!r}: with streaming, training offload must target "
         "disk (--offload-train-target disk)",
@@ -158,7 +216,14 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
     return StreamConfig(
         directory=_get(args, "offload_train_disk_dir") or default_directory(),
         moment_dtype=_get(args, "stream_optimizer_state_moment_dtype", "fp32"),
+        bucket_cap_elements=_get(args, "stream_optimizer_state_bucket_cap", DEFAULT_BUCKET_CAP_ELEMENTS),
         staging_chunk_mb=_get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_CHUNK_MB),
         allow_fresh_state=bool(_get(args, "no_load_optim", False)),
         name=name,
+        tier=_get(args, "stream_optimizer_state_tier", "disk"),
+        engine=_get(args, "stream_optimizer_state_engine", "pipelined"),
+        buckets_in_flight=_get(args, "stream_optimizer_state_buckets_in_flight", DEFAULT_BUCKETS_IN_FLIGHT),
+        io_threads=_get(args, "stream_optimizer_state_io_threads", DEFAULT_IO_THREADS),
+        direct_io=_get(args, "stream_optimizer_state_direct_io", True),
+        main_storage=_get(args, "stream_optimizer_state_main_storage", "fp32"),
     )

@@ -24,12 +24,35 @@ MOMENT_DTYPES: dict[str, torch.dtype] = {
 # this store does not do: an underflowed exp_avg_sq turns the update into m / eps.
 UNSAFE_MOMENT_DTYPES = frozenset({"fp16", "fp8e4m3", "fp8e5m2"})
 
-# 200M elements per streaming bucket: 2.4 GB of fp32 state, large enough for
-# efficient sequential I/O, small enough that a few in flight fit beside the model.
-DEFAULT_BUCKET_CAP_ELEMENTS = 200_000_000
+# Where the streamed state lives between steps: per-bucket files (node-local NVMe)
+# or pinned host memory.
+TIERS = ("disk", "host")
 
-# The staging buffer bounds host memory: every transfer goes through it in chunks.
-DEFAULT_STAGING_CHUNK_MB = 64
+# How buckets move: "pipelined" reads bucket i+1 and writes bucket i-1 while bucket
+# i computes, with direct I/O and several requests in flight; "sync" is the simple
+# design kept as a baseline (one bucket at a time, buffered I/O, one staging buffer).
+ENGINES = ("pipelined", "sync")
+
+# How the fp32 main is stored: "fp32" (4 bytes), or "remainder": the 16 low bits
+# that, with the bf16 model param resident anyway, rebuild the fp32 main exactly.
+MAIN_STORAGES = ("fp32", "remainder")
+
+# 64M elements per streaming bucket: 768 MB of fp32 state while it is on the device.
+# I/O efficiency comes from the request size and the requests in flight, not from
+# the bucket size; smaller buckets make the pipeline's fill and drain (the first
+# read and the last write, which nothing overlaps) a small share of the step.
+DEFAULT_BUCKET_CAP_ELEMENTS = 64_000_000
+
+# Buckets on the device at once: one computing, one being read, one being written.
+DEFAULT_BUCKETS_IN_FLIGHT = 3
+
+# Requests in flight per direction (reads and writes each have their own threads, so
+# a drive that serves both at once gets both). Each thread owns one staging chunk.
+DEFAULT_IO_THREADS = 4
+
+# Size of one transfer request and of each staging chunk. Host memory for streaming
+# is bounded by the staging chunks: (2 x io_threads) chunks pipelined, one for sync.
+DEFAULT_STAGING_CHUNK_MB = 16
 
 # Params whose model dtype is already fp32 keep their state resident (their main
 # *is* the model param). Above this many elements that residency is worth a warning.
@@ -45,15 +68,30 @@ class StreamConfig:
     """What to stream, where, and in which format.
 
     Args:
-        directory: where the per-process scratch directory is created. Must be
-            creatable and writable; node-local NVMe is the intended place.
+        directory: where the per-process scratch directory is created (disk
+            tier). Must be creatable and writable; node-local NVMe is the
+            intended place.
         moment_dtype: storage dtype of the Adam moments, one of
             ``MOMENT_DTYPES`` (``fp32`` is bit-exact; the others are a storage
             format only, the step still computes in fp32).
         bucket_cap_elements: the most elements in one streaming bucket. A single
             param larger than the cap gets a bucket of its own.
-        staging_chunk_mb: size of the host staging buffer every transfer goes
-            through; host memory used for streaming is bounded by it.
+        staging_chunk_mb: size of one transfer request and of each host staging
+            chunk; host memory used for streaming is bounded by the chunks
+            (``staging_bytes_total``).
+        tier: ``"disk"`` (per-bucket files under ``directory``) or ``"host"``
+            (pinned host memory; ``directory`` is then unused by the step).
+        engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
+            one-bucket-at-a-time baseline with buffered I/O).
+        buckets_in_flight: pipelined engine: the most buckets materialized on
+            the device at once (GPU memory traded for overlap); the optimizer
+            state on the device stays below this many times the largest bucket.
+        io_threads: pipelined engine: requests in flight per direction.
+        direct_io: pipelined engine on disk: open bucket files with
+            ``O_DIRECT`` (falls back to buffered I/O, with a log line, where the
+            filesystem refuses it).
+        main_storage: ``"fp32"`` or ``"remainder"`` (bf16 params only: 2 bytes
+            per main instead of 4, still bit-exact).
         allow_fresh_state: when a checkpoint being loaded holds no streamed
             state, start the optimizer fresh instead of refusing.
         resident_warn_elements: warn when fp32-native params (kept resident)
@@ -62,16 +100,22 @@ class StreamConfig:
             across restarts of the same rank so stale scratch gets purged.
     """
 
-    directory: str
+    directory: str = ""
     moment_dtype: str = "fp32"
     bucket_cap_elements: int = DEFAULT_BUCKET_CAP_ELEMENTS
     staging_chunk_mb: int = DEFAULT_STAGING_CHUNK_MB
     allow_fresh_state: bool = False
     resident_warn_elements: int = DEFAULT_RESIDENT_WARN_ELEMENTS
     name: str = "rank0"
+    tier: str = "disk"
+    engine: str = "pipelined"
+    buckets_in_flight: int = DEFAULT_BUCKETS_IN_FLIGHT
+    io_threads: int = DEFAULT_IO_THREADS
+    direct_io: bool = True
+    main_storage: str = "fp32"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.directory, str) or not self.directory:
+        if self.tier == "disk" and (not isinstance(self.directory, str) or not self.directory):
             raise StreamConfigError(
                 f"directory must be a non-empty path, got {self.directory!r}; "
                 "point it at node-local NVMe, e.g. /scratch/optimizer_state"
@@ -93,6 +137,15 @@ class StreamConfig:
             or self.staging_chunk_mb <= 0
         ):
             raise StreamConfigError(f"staging chunk must be a positive number of MiB, got {self.staging_chunk_mb!r}")
+        for field, choices in (("tier", TIERS), ("engine", ENGINES), ("main_storage", MAIN_STORAGES)):
+            if getattr(self, field) not in choices:
+                raise StreamConfigError(
+                    f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"
+                )
+        for field in ("buckets_in_flight", "io_threads"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise StreamConfigError(f"{field.replace('_', ' ')} must be a positive integer, got {value!r}")
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
         if self.moment_dtype in UNSAFE_MOMENT_DTYPES:
@@ -109,4 +162,19 @@ class StreamConfig:
 
     @property
     def staging_bytes(self) -> int:
+        """Bytes of one staging chunk (one transfer request)."""
         return self.staging_chunk_mb * 1024 * 1024
+
+    @property
+    def pipelined(self) -> bool:
+        return self.engine == "pipelined"
+
+    @property
+    def depth(self) -> int:
+        """Buckets materialized at once: the sync baseline holds one."""
+        return self.buckets_in_flight if self.pipelined else 1
+
+    @property
+    def staging_bytes_total(self) -> int:
+        """Host staging memory: one chunk per I/O thread, or the baseline's one chunk."""
+        return self.staging_bytes * (2 * self.io_threads if self.pipelined else 1)

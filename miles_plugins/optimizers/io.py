@@ -1,20 +1,39 @@
-"""Moving bytes between bucket files and device tensors through a bounded staging buffer.
+"""Moving bytes between the state's home (bucket files or host memory) and device tensors.
 
-Every transfer passes through one host staging buffer in chunks of at most its
-size, so host memory stays fixed however large the optimizer state grows. The
-same code serves CPU tensors and CUDA tensors; with CUDA the buffer is pinned so
-host<->device copies run at full PCIe speed.
+Two parts, kept apart so every combination runs side by side:
+
+- a *backing* says where a bucket's bytes live: :class:`FileBacking` (one file
+  per bucket, direct I/O where the filesystem allows it) or :class:`HostBacking`
+  (one pinned host buffer per bucket). ``open(bucket)`` gives a handle whose
+  ``read`` / ``write`` move one chunk between that bucket and a device tensor.
+- an *engine* says how chunks are scheduled: :class:`SyncEngine` runs them at
+  once on the caller's thread through one staging buffer (the baseline);
+  :class:`PipelinedEngine` runs them on reader and writer threads, several
+  requests in flight per direction, each thread with its own staging chunk and
+  CUDA stream, so reads of one bucket and writes of another overlap each other
+  and the caller's compute.
+
+Host memory for streaming is the staging chunks, whatever the state size (the
+host tier adds the state itself, which is its point).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
+import logging
 import mmap
 import os
+import threading
 import zlib
+from collections.abc import Sequence
 
 import torch
+
+from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout, align_up
+
+logger = logging.getLogger(__name__)
 
 
 class StreamIOError(OSError):
@@ -34,70 +53,293 @@ class StreamIOError(OSError):
 
 
 class StagingBuffer:
-    """A fixed-size host buffer: pinned when CUDA is available, page-aligned otherwise."""
+    """A fixed-size host buffer whose start is ``ALIGNMENT``-aligned (direct I/O
+    needs it): pinned when ``pin`` (host<->device copies then run as DMA)."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
+        raw_bytes = nbytes + ALIGNMENT
         if pin:
-            # cudaHostAlloc memory is page-aligned and lets copies run as DMA.
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            raw = torch.empty(raw_bytes, dtype=torch.uint8, pin_memory=True)
         else:
-            # An anonymous mapping is page-aligned, which direct I/O will need.
-            self._mapping = mmap.mmap(-1, nbytes)
-            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
+            self._mapping = mmap.mmap(-1, raw_bytes)
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        skip = -raw.data_ptr() % ALIGNMENT
+        self.tensor = raw[skip : skip + nbytes]
         # A memoryview over the same bytes, for os.preadv / os.pwritev.
         self.view = memoryview((ctypes.c_ubyte * nbytes).from_address(self.tensor.data_ptr())).cast("B")
 
 
-def open_bucket_file(path: str, create: bool = False) -> int:
-    """Open a bucket file for reading and writing, never through a symlink."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    if create:
-        flags |= os.O_CREAT | os.O_EXCL
+def _open(path: str, flags: int, mode: int = 0o600) -> int:
     try:
-        return os.open(path, flags, 0o600)
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     except OSError as exc:
         raise StreamIOError(f"cannot open bucket file {path}: {exc.strerror}", path, 0, exc.errno) from exc
 
 
-def preallocate(fd: int, path: str, size: int) -> None:
-    """Reserve the file's full size now so a full disk fails at setup, not mid-step."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        raise StreamIOError(f"cannot reserve {size} bytes for {path}: {exc.strerror}", path, 0, exc.errno) from exc
+class FileHandle:
+    """One open bucket file. ``read`` / ``write`` move one chunk (at most the
+    staging buffer) at an aligned offset; with direct I/O the transfer is
+    rounded up to the alignment, which the layout reserves as padding."""
+
+    def __init__(self, path: str, direct: bool) -> None:
+        self.path = path
+        self.direct = direct
+        self.fd = _open(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
+
+    def read(self, offset: int, dst: torch.Tensor, staging: StagingBuffer) -> None:
+        n = dst.numel()
+        pread_full(self.fd, self.path, offset, staging.view[: self._span(n)])
+        # A plain (non_blocking=False) copy returns once the bytes are on the device,
+        # so the staging chunk is free for the next request when this returns.
+        dst.copy_(staging.tensor[:n])
+
+    def write(self, offset: int, src: torch.Tensor, staging: StagingBuffer) -> None:
+        n = src.numel()
+        span = self._span(n)
+        # Synchronous copy: the bytes are in staging before pwritev reads them.
+        staging.tensor[:n].copy_(src)
+        staging.tensor[n:span].zero_()  # the alignment padding, kept deterministic
+        pwrite_full(self.fd, self.path, offset, staging.view[:span])
+
+    def _span(self, n: int) -> int:
+        return align_up(n) if self.direct else n
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-class SyncFileEngine:
-    """Synchronous buffered I/O: one chunk at a time through one staging buffer.
+class FileBacking:
+    """The state in one file per bucket, under ``directory``.
 
-    ``read`` fills a flat uint8 view of a tensor from a file range; ``write``
-    stores one. Both raise :class:`StreamIOError` naming the file and offset on
-    any error or on a transfer that cannot complete.
+    Creates every file (new, private, never through a symlink) at its full size
+    so a full disk fails here, not mid-step. With ``direct`` the files are
+    opened ``O_DIRECT`` (no page cache: it would fill host RAM with state that
+    is read once per step); where the filesystem refuses that (tmpfs), buffered
+    I/O is used and a log line says so.
     """
 
-    def __init__(self, staging: StagingBuffer) -> None:
-        self.staging = staging
+    kind = "disk"
 
-    def read(self, fd: int, path: str, offset: int, dst: torch.Tensor) -> None:
-        total = dst.numel()
-        done = 0
-        while done < total:
-            n = min(self.staging.nbytes, total - done)
-            pread_full(fd, path, offset + done, self.staging.view[:n])
-            dst[done : done + n].copy_(self.staging.tensor[:n])
-            done += n
+    def __init__(self, directory: str, buckets: Sequence[BucketLayout], direct: bool) -> None:
+        self.directory = directory
+        for bucket in buckets:
+            path = self.path(bucket)
+            fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            try:
+                os.posix_fallocate(fd, 0, bucket.file_size)
+            except OSError as exc:
+                raise StreamIOError(
+                    f"cannot reserve {bucket.file_size} bytes for {path}: {exc.strerror}", path, 0, exc.errno
+                ) from exc
+            finally:
+                os.close(fd)
+        self.direct = direct and bool(buckets) and _direct_io_works(self.path(buckets[0]))
 
-    def write(self, fd: int, path: str, offset: int, src: torch.Tensor) -> None:
-        total = src.numel()
-        done = 0
-        while done < total:
-            n = min(self.staging.nbytes, total - done)
-            # The copy into staging finishes before pwritev reads the buffer:
-            # copy_ from a device tensor into pageable/pinned memory is synchronous.
-            self.staging.tensor[:n].copy_(src[done : done + n])
-            pwrite_full(fd, path, offset + done, self.staging.view[:n])
-            done += n
+    def path(self, bucket: BucketLayout) -> str:
+        return os.path.join(self.directory, bucket.file_name)
+
+    def open(self, bucket: BucketLayout) -> FileHandle:
+        return FileHandle(self.path(bucket), self.direct)
+
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: StagingBuffer) -> int:
+        """Copy the bucket's bytes into an open file; returns their CRC-32."""
+        handle = self.open(bucket)
+        try:
+            return copy_file_crc32(handle.fd, handle.path, dst_fd, dst_path, bucket.file_size, buffer.view)
+        finally:
+            handle.close()
+
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: StagingBuffer) -> int:
+        """Copy the bucket's bytes from an open file; returns their CRC-32."""
+        handle = self.open(bucket)
+        try:
+            return copy_file_crc32(src_fd, src_path, handle.fd, handle.path, bucket.file_size, buffer.view)
+        finally:
+            handle.close()
+
+
+def _direct_io_works(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise StreamIOError(f"cannot open bucket file {path}: {exc.strerror}", path, 0, exc.errno) from exc
+        logger.warning(
+            "the filesystem holding %s refuses O_DIRECT: using buffered I/O (the page cache will hold "
+            "recently streamed state)",
+            os.path.dirname(path),
+        )
+        return False
+    os.close(fd)
+    logger.info("bucket files in %s use direct I/O", os.path.dirname(path))
+    return True
+
+
+class HostHandle:
+    """One bucket's host buffer; chunks copy straight between it and the device."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+
+    def read(self, offset: int, dst: torch.Tensor, staging: StagingBuffer | None) -> None:
+        dst.copy_(self.buffer[offset : offset + dst.numel()])
+
+    def write(self, offset: int, src: torch.Tensor, staging: StagingBuffer | None) -> None:
+        self.buffer[offset : offset + src.numel()].copy_(src)
+
+    def close(self) -> None:
+        pass
+
+
+class HostBacking:
+    """The state in one host buffer per bucket, pinned when CUDA is available
+    (device copies then run as DMA at full PCIe speed)."""
+
+    kind = "host"
+
+    def __init__(self, buckets: Sequence[BucketLayout], pin: bool) -> None:
+        self.buffers = {}
+        for bucket in buckets:
+            try:
+                self.buffers[bucket.index] = torch.zeros(bucket.file_size, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError as exc:
+                raise StreamIOError(
+                    f"cannot allocate {bucket.file_size} bytes of {'pinned ' if pin else ''}host memory for "
+                    f"bucket {bucket.index}: {exc}; use the disk tier or give the process more memory",
+                    f"<host bucket {bucket.index}>",
+                    0,
+                    errno.ENOMEM,
+                ) from exc
+
+    def open(self, bucket: BucketLayout) -> HostHandle:
+        return HostHandle(self.buffers[bucket.index])
+
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: StagingBuffer) -> int:
+        data = _memoryview(self.buffers[bucket.index])
+        pwrite_full(dst_fd, dst_path, 0, data)
+        return zlib.crc32(data)
+
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: StagingBuffer) -> int:
+        data = _memoryview(self.buffers[bucket.index])
+        pread_full(src_fd, src_path, 0, data)
+        return zlib.crc32(data)
+
+
+def _memoryview(t: torch.Tensor) -> memoryview:
+    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+# ---- engines ---------------------------------------------------------------
+
+# One transfer: (byte offset in the bucket, flat uint8 view of a device tensor).
+Transfer = tuple[int, torch.Tensor]
+
+
+class Ticket:
+    """Transfers submitted together; ``wait()`` returns when all are done and
+    raises the first failure (after every transfer has stopped touching memory)."""
+
+    def __init__(self, futures: Sequence[concurrent.futures.Future] = ()) -> None:
+        self._futures = list(futures)
+
+    def wait(self) -> None:
+        first = None
+        for future in self._futures:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after all stopped
+                first = first or exc
+        self._futures.clear()
+        if first is not None:
+            raise first
+
+
+def _chunks(transfers: Sequence[Transfer], chunk: int):
+    for offset, tensor in transfers:
+        for start in range(0, tensor.numel(), chunk):
+            yield offset + start, tensor[start : start + chunk]
+
+
+class SyncEngine:
+    """The baseline: each transfer runs now, on the caller's thread, chunk by chunk
+    through one staging buffer."""
+
+    def __init__(self, chunk_bytes: int, pin: bool) -> None:
+        self.staging = StagingBuffer(chunk_bytes, pin)
+
+    def read(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+        for offset, dst in _chunks(transfers, self.staging.nbytes):
+            handle.read(offset, dst, self.staging)
+        return Ticket()
+
+    def write(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+        for offset, src in _chunks(transfers, self.staging.nbytes):
+            handle.write(offset, src, self.staging)
+        return Ticket()
+
+    def idle_buffer(self) -> StagingBuffer:
+        return self.staging
+
+    def close(self) -> None:
+        pass
+
+
+class PipelinedEngine:
+    """Reader and writer threads, ``threads`` of each: every chunk is one request,
+    so up to ``threads`` reads and ``threads`` writes are in flight at once.
+
+    Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
+    device copy runs on that stream and is complete before the thread takes its
+    next request, so a staging chunk is never reused while a copy reads it.
+    Callers order device work themselves: tensors a write reads must be final
+    (the caller synchronizes its stream first), tensors a read fills are used
+    only after the read's ticket is waited on.
+    """
+
+    def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._stagings = [StagingBuffer(chunk_bytes, pin) for _ in range(2 * threads)]
+        self._device = device
+        self._local = threading.local()
+        pool = iter(self._stagings)
+        lock = threading.Lock()
+
+        def init_worker() -> None:
+            with lock:
+                self._local.staging = next(pool)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                self._local.stream = torch.cuda.Stream(device)
+
+        self._readers = concurrent.futures.ThreadPoolExecutor(threads, "stream-read", init_worker)
+        self._writers = concurrent.futures.ThreadPoolExecutor(threads, "stream-write", init_worker)
+
+    def _run(self, op, offset: int, tensor: torch.Tensor) -> None:
+        local = self._local
+        if self._device.type == "cuda":
+            with torch.cuda.stream(local.stream):
+                op(offset, tensor, local.staging)
+        else:
+            op(offset, tensor, local.staging)
+
+    def read(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+        return Ticket(
+            [self._readers.submit(self._run, handle.read, o, t) for o, t in _chunks(transfers, self.chunk_bytes)]
+        )
+
+    def write(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+        return Ticket(
+            [self._writers.submit(self._run, handle.write, o, t) for o, t in _chunks(transfers, self.chunk_bytes)]
+        )
+
+    def idle_buffer(self) -> StagingBuffer:
+        """A staging chunk the caller may use while no transfer is in flight."""
+        return self._stagings[0]
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
 
 
 def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:

@@ -1,7 +1,8 @@
 """Bucket planning and the on-disk layout of one bucket file.
 
-A bucket file holds three segments in this order: ``main`` (fp32),
-``exp_avg`` and ``exp_avg_sq`` (the moment storage dtype). Inside a segment,
+A bucket file holds three segments in this order: ``main`` (fp32, or the
+int16 low bits of remainder mains), ``exp_avg`` and ``exp_avg_sq`` (the
+moment storage dtype). Inside a segment,
 entries follow in bucket order, each slice starting on an ``ALIGNMENT``
 boundary so direct I/O can address it.
 """
@@ -95,10 +96,15 @@ class BucketLayout:
 
 
 def layout_bucket(
-    index: int, entry_indices: Sequence[int], numels: Sequence[int], moment_dtype: torch.dtype
+    index: int,
+    entry_indices: Sequence[int],
+    numels: Sequence[int],
+    moment_dtype: torch.dtype,
+    main_dtype: torch.dtype = MAIN_DTYPE,
 ) -> BucketLayout:
-    """Lay out the segments of one bucket file, every slice aligned."""
-    dtypes = {"main": MAIN_DTYPE, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
+    """Lay out the segments of one bucket file, every slice aligned; ``main_dtype``
+    is how mains are stored (fp32, or int16 remainders)."""
+    dtypes = {"main": main_dtype, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
     offset = 0
     segments = {}
     for name in SEGMENTS:

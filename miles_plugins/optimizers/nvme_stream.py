@@ -59,6 +59,6 @@ def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[Megatro
             config.name,
             len(binding.store.buckets),
             binding.store.state_bytes_total / 1e9,
-            binding.store.scratch.path,
+            binding.store.location,
         )
     return bindings

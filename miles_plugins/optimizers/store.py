@@ -1,13 +1,17 @@
 """The bucket lifecycle: the streamed optimizer state and its step.
 
 Between steps every streamed fp32 main and Adam moment has its storage released
-(the tensor keeps its shape, its storage has 0 bytes); the bytes live in one file
-per bucket. ``step()`` walks the buckets one at a time: materialize the bucket's
-mains and read them, materialize and read its moments (none on a bucket's first
-step: the optimizer creates them), attach the fp32 grads, run the master
-optimizer's exact update, copy the updated mains into the model params, write
-mains and moments back, release everything. Optimizer state on the device is
-bounded by one bucket.
+(the tensor keeps its shape, its storage has 0 bytes); the bytes live in the
+backing (one file per bucket, or pinned host memory). ``step()`` walks the
+buckets as a pipeline: *fetch* (materialize the bucket's mains and moments and
+read them; no moments on a bucket's first step, the optimizer creates them),
+*compute* (attach the fp32 grads, run the master optimizer's exact update, copy
+the updated mains into the model params), *store* (write mains and moments
+back), *retire* (wait for the writes, release everything). With the pipelined
+engine, bucket i+1 is being read and bucket i-1 written while bucket i
+computes; at most ``buckets_in_flight`` buckets are materialized at once, which
+bounds the optimizer state on the device. The sync engine is the same walk one
+bucket at a time.
 """
 
 from __future__ import annotations
@@ -20,21 +24,24 @@ import stat
 import time
 import types
 import zlib
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hooks.contract import OptimizerStateStore
+from miles_plugins.optimizers import remainder
 from miles_plugins.optimizers.adam import AdamBackend, BucketOptimizer
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
 from miles_plugins.optimizers.io import (
-    StagingBuffer,
+    FileBacking,
+    HostBacking,
+    PipelinedEngine,
     StreamIOError,
-    SyncFileEngine,
-    copy_file_crc32,
-    open_bucket_file,
-    preallocate,
+    SyncEngine,
+    Ticket,
+    Transfer,
     pwrite_full,
 )
 from miles_plugins.optimizers.layout import (
@@ -108,7 +115,8 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Residency:
-    """Measures the optimizer-state bytes materialized at once."""
+    """Measures the optimizer-state bytes materialized on the device at once
+    (mains, moments, and the storage-format temporaries they convert through)."""
 
     current: int = 0
     peak: int = 0
@@ -124,25 +132,51 @@ class _Residency:
         self.current += t.untyped_storage().nbytes()
         self.peak = max(self.peak, self.current)
 
+    def temporary(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(like.shape, dtype=dtype, device=like.device)
+        self.adopt(t)
+        return t
+
     def release(self, t: torch.Tensor) -> None:
         self.current -= t.untyped_storage().nbytes()
         t.untyped_storage().resize_(0)
 
 
+@dataclass
+class _Flight:
+    """One bucket between its fetch and its retirement.
+
+    ``converts`` are reads that land in a storage-format temporary and become
+    the fp32 tensor after the read (widened moments, decoded remainder mains);
+    ``temporaries`` are tensors a pending write still reads.
+    """
+
+    bucket: BucketLayout
+    optimizer: BucketOptimizer
+    entries: list[Entry]
+    handle: object
+    reads: Ticket | None = None
+    writes: Ticket | None = None
+    converts: list[tuple[str, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    temporaries: list[torch.Tensor] = field(default_factory=list)
+
+
 class StreamingStore:
-    """Optimizer state for ``entries``, streamed through per-bucket files.
+    """Optimizer state for ``entries``, streamed through a backing tier.
 
     Args:
         entries: the params and their fp32 mains. Streamed mains must be
             contiguous fp32 tensors owning their storage; their content at
             construction is the initial state unless ``init_main`` is given.
         backend: reproduces the master optimizer's update (see ``adam.py``).
-        config: where and how to store the state.
+        config: where and how to store the state (tier, engine, formats).
         grad_fn: the fp32 grad for an entry's main, or None when the param got
             no grad this step (it is then not updated, as in torch). Defaults to
             ``entry.main.grad``.
         copy_to_model: writes an updated main back into the model param.
-            Called once per streamed entry per step, after its update.
+            Called once per streamed entry per step, after its update. With
+            remainder mains, ``entry.param`` must then hold the main rounded to
+            bf16, and keep it until the next step (see ``remainder.py``).
         init_main: ``init_main(param, main)`` fills a main from its param; when
             given, the initial mains are built bucket by bucket through it, so
             they never all exist at once.
@@ -151,9 +185,9 @@ class StreamingStore:
             ``load_from``.
 
     Construction validates the directory and free space before writing
-    anything, then writes every bucket's initial mains and releases them.
-    Entries whose model param is fp32 stay resident under one small optimizer
-    of the same class.
+    anything (disk tier), then writes every bucket's initial mains and releases
+    them. Entries whose model param is fp32 stay resident under one small
+    optimizer of the same class.
     """
 
     def __init__(
@@ -170,8 +204,9 @@ class StreamingStore:
         self.config = config
         self.topology = dict(topology or {})
         self._optimizer_class = f"{type(backend.master).__module__}.{type(backend.master).__qualname__}"
-        # Set when a load failed after it began overwriting the scratch files.
+        # Set when a step or a load failed after it began changing the stored state.
         self._damaged: str | None = None
+        self._closed = False
         self.entries = list(entries)
         self._grad_fn = grad_fn or (lambda entry: entry.main.grad)
         self._copy_to_model = copy_to_model or (lambda entry: None)
@@ -179,26 +214,39 @@ class StreamingStore:
         self.last_step = StepStats()
         self.total = StepStats()
         self.steps_taken = 0
+        # Buckets whose fetch prefetch() started, and what those reads moved.
+        self._prefetched: deque[_Flight] = deque()
+        self._prefetch_stats = StepStats()
 
         streamed = [i for i, e in enumerate(self.entries) if not e.resident]
         for i in streamed:
             main = self.entries[i].main
             if main.dtype != torch.float32 or not main.is_contiguous():
                 raise ValueError(f"entry {i}: a streamed main must be a contiguous fp32 tensor, got {main.dtype}")
+            if config.main_storage == "remainder" and self.entries[i].param.dtype != torch.bfloat16:
+                raise StreamConfigError(
+                    f"remainder mains need bf16 params (the main's high half), entry {i} is "
+                    f"{self.entries[i].param.dtype}; use main_storage='fp32'"
+                )
+        self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
         plan = plan_buckets(
             [self.entries[i].main.numel() for i in streamed],
             [self.entries[i].bucket_key for i in streamed],
             config.bucket_cap_elements,
         )
+        main_dtype = remainder.STORAGE_DTYPE if config.main_storage == "remainder" else MAIN_DTYPE
         self.buckets: list[BucketLayout] = [
             layout_bucket(
                 b,
                 [streamed[j] for j in members],
                 [self.entries[streamed[j]].main.numel() for j in members],
                 config.moment_torch_dtype,
+                main_dtype,
             )
             for b, members in enumerate(plan)
         ]
+        # Remainder mains: per bucket, per entry, the elements the rounding rule misses.
+        self._exceptions = [[remainder.Exceptions.none() for _ in b.numels] for b in self.buckets]
         self._bucket_optimizers = [backend.build(self._groups_of(b.entry_indices)) for b in self.buckets]
         self._resident_entries = [i for i, e in enumerate(self.entries) if e.resident]
         self._resident_optimizer = (
@@ -206,33 +254,47 @@ class StreamingStore:
         )
         self._warn_if_resident_large()
 
-        # Checks free space and the directory before anything is written.
-        self.scratch = ScratchDir(config.directory, config.name, sum(b.file_size for b in self.buckets))
+        pin = torch.cuda.is_available()
+        # Disk tier: checks free space and the directory before anything is written.
+        self.scratch = (
+            ScratchDir(config.directory, config.name, self.file_bytes_total) if config.tier == "disk" else None
+        )
+        self._engine = None
         try:
-            self._engine = SyncFileEngine(StagingBuffer(config.staging_bytes, pin=torch.cuda.is_available()))
-            for bucket in self.buckets:
-                path = self.scratch.file(bucket.file_name)
-                fd = open_bucket_file(path, create=True)
-                try:
-                    preallocate(fd, path, bucket.file_size)
-                finally:
-                    os.close(fd)
+            if self.scratch is not None:
+                self._backing = FileBacking(
+                    self.scratch.path, self.buckets, direct=config.pipelined and config.direct_io
+                )
+            else:
+                self._backing = HostBacking(self.buckets, pin=pin)
+            if config.pipelined:
+                self._engine = PipelinedEngine(config.io_threads, config.staging_bytes, pin, self._device)
+            else:
+                self._engine = SyncEngine(config.staging_bytes, pin)
             self._write_mains(init_main)
         except BaseException:
-            self.scratch.remove()
+            self._shut_down()
             raise
         logger.info(
-            "optimizer state streams through %s: %d buckets, %.2f GB on disk, %.2f GB materialized "
-            "state total, largest bucket %.2f GB; %d fp32 params resident",
-            self.scratch.path,
+            "optimizer state streams through %s (%s engine%s): %d buckets, %.2f GB stored, %.2f GB "
+            "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident",
+            self.location,
+            config.engine,
+            ", direct I/O" if getattr(self._backing, "direct", False) else "",
             len(self.buckets),
             self.file_bytes_total / 1e9,
             self.state_bytes_total / 1e9,
             self.bucket_bytes_max / 1e9,
+            config.depth,
             len(self._resident_entries),
         )
 
     # ---- sizes ---------------------------------------------------------------
+
+    @property
+    def location(self) -> str:
+        """Where the state lives: the scratch directory, or host memory."""
+        return self.scratch.path if self.scratch is not None else "pinned host memory"
 
     @property
     def state_bytes_total(self) -> int:
@@ -246,6 +308,7 @@ class StreamingStore:
 
     @property
     def file_bytes_total(self) -> int:
+        """Bytes the stored state takes (its storage formats, alignment padding included)."""
         return sum(b.file_size for b in self.buckets)
 
     @property
@@ -257,15 +320,36 @@ class StreamingStore:
 
     @torch.no_grad()
     def step(self) -> StepStats:
-        """One optimizer step over all state; returns what it moved (also in ``last_step``)."""
+        """One optimizer step over all state; returns what it moved (also in ``last_step``).
+
+        A failure raises; if any bucket had been updated by then, the stored
+        state mixes two steps and the store refuses to step again.
+        """
         self._check_open()
         start = time.perf_counter()
-        stats = StepStats()
+        stats, self._prefetch_stats = self._prefetch_stats, StepStats()
         if self._resident_optimizer is not None:
             self._attach_grads(self._resident_entries)
             self._resident_optimizer.step()
-        for bucket, optimizer in zip(self.buckets, self._bucket_optimizers, strict=True):
-            self._step_bucket(bucket, optimizer, stats)
+        ahead, self._prefetched = self._prefetched, deque()
+        writing: deque[_Flight] = deque()
+        current = None
+        try:
+            for i in range(len(self.buckets)):
+                self._read_ahead(i + self.config.depth - 1, ahead, writing, stats)
+                current = ahead.popleft()
+                self._finish_fetch(current)
+                self._compute(current)
+                self._start_store(current, stats)
+                writing.append(current)
+                current = None
+            while writing:
+                self._retire(writing.popleft())
+        except BaseException as exc:
+            self._abort([*ahead, *writing, *([current] if current else [])])
+            if writing or current is not None or stats.bytes_written:
+                self._damaged = f"step {self.steps_taken + 1} failed after it began writing ({exc})"
+            raise
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         self.total.add(stats)
@@ -280,21 +364,47 @@ class StreamingStore:
         )
         return stats
 
+    def prefetch(self) -> None:
+        """Start reading the first buckets of the next step now (pipelined engine;
+        a no-op otherwise, or when already started). Call it as early as the
+        caller can, e.g. before the grad-norm reduction: the reads then overlap it.
+        Anything that changes the stored state first drops what was prefetched."""
+        self._check_open()
+        if not self.config.pipelined or self._prefetched:
+            return
+        try:
+            self._read_ahead(self.config.depth - 1, self._prefetched, deque(), self._prefetch_stats)
+        except BaseException:
+            self._drop_prefetch()
+            raise
+
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
         self._check_open()
+        self._drop_prefetch()
         self._write_mains(copy_fn)
 
     def close(self) -> None:
-        """Delete the scratch files and release the directory lock."""
-        self.scratch.remove()
+        """Delete the stored state (scratch files or host buffers) and release the directory lock."""
+        if self._closed:
+            return
+        self._drop_prefetch()
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        self._closed = True
+        if self._engine is not None:
+            self._engine.close()
+        self._backing = None
+        if self.scratch is not None:
+            self.scratch.remove()
 
     def _check_open(self) -> None:
-        if self.scratch.removed:
-            raise RuntimeError(f"the optimizer-state store at {self.scratch.path} was closed; its state is gone")
+        if self._closed:
+            raise RuntimeError(f"the optimizer-state store at {self.location} was closed; its state is gone")
         if self._damaged:
             raise RuntimeError(
-                f"the optimizer-state store at {self.scratch.path} holds no consistent state: {self._damaged}. "
+                f"the optimizer-state store at {self.location} holds no consistent state: {self._damaged}. "
                 "Load a good checkpoint into a fresh process"
             )
 
@@ -304,7 +414,7 @@ class StreamingStore:
         """The manifest fields a load must match."""
         return {
             "store": self.config.name,
-            "main_dtype": str(MAIN_DTYPE).removeprefix("torch."),
+            "main_dtype": "fp32" if self.config.main_storage == "fp32" else "fp32 as bf16 param + int16 remainder",
             "moment_dtype": self.config.moment_dtype,
             "topology": self.topology,
             "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in self.buckets],
@@ -321,6 +431,7 @@ class StreamingStore:
         this one, never a mix. Call between steps.
         """
         self._check_open()
+        self._drop_prefetch()
         start = time.perf_counter()
         final = os.path.join(base_dir, self.config.name)
         partial = os.path.join(base_dir, f".{self.config.name}.partial")
@@ -329,17 +440,10 @@ class StreamingStore:
         os.mkdir(partial, 0o700)
         try:
             files = {}
-            buffer = self._engine.staging.view
+            buffer = self._engine.idle_buffer()
             for bucket in self.buckets:
-                with self._open(bucket) as src, _create(partial, bucket.file_name) as dst:
-                    crc = copy_file_crc32(
-                        src,
-                        self.scratch.file(bucket.file_name),
-                        dst,
-                        os.path.join(partial, bucket.file_name),
-                        bucket.file_size,
-                        buffer,
-                    )
+                with _create(partial, bucket.file_name) as dst:
+                    crc = self._backing.export(bucket, dst, os.path.join(partial, bucket.file_name), buffer)
                     os.fsync(dst)
                 files[bucket.file_name] = {"size": bucket.file_size, "crc32": crc}
             if self._resident_optimizer is not None:
@@ -352,6 +456,7 @@ class StreamingStore:
                     "steps_taken": self.steps_taken,
                     "bucket_state": [o.export_state() for o in self._bucket_optimizers],
                     "resident_state": self._resident_optimizer.export_state() if self._resident_optimizer else None,
+                    "main_exceptions": self._export_exceptions(),
                     "files": files,
                 }
             )
@@ -389,6 +494,7 @@ class StreamingStore:
         began leaves the store refusing to step.
         """
         self._check_open()
+        self._drop_prefetch()
         source = os.path.join(base_dir, self.config.name)
         if not os.path.isdir(source):
             return False
@@ -413,15 +519,12 @@ class StreamingStore:
             )
         start = time.perf_counter()
         resident = self._read_resident(source, manifest) if self._resident_optimizer is not None else None
-        buffer = self._engine.staging.view
+        buffer = self._engine.idle_buffer()
         for bucket in self.buckets:
             src_path = os.path.join(source, bucket.file_name)
             src = os.open(src_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                with self._open(bucket) as dst:
-                    crc = copy_file_crc32(
-                        src, src_path, dst, self.scratch.file(bucket.file_name), bucket.file_size, buffer
-                    )
+                crc = self._backing.restore(bucket, src, src_path, buffer)
             except BaseException as exc:
                 self._damaged = f"loading {src_path} failed part way ({exc})"
                 raise
@@ -437,6 +540,7 @@ class StreamingStore:
             optimizer.import_state(saved, materialize=False)
         if resident is not None:
             self._restore_resident(manifest.data["resident_state"], resident)
+        self._import_exceptions(manifest.data.get("main_exceptions"))
         self.steps_taken = manifest.data["steps_taken"]
         logger.info(
             "loaded streamed optimizer state %s (step %d) from %s in %.2f s",
@@ -489,6 +593,25 @@ class StreamingStore:
                 f"{RESIDENT_FILE} holds {len(data)} bytes, the restored moments take {offset}"
             )
 
+    def _export_exceptions(self) -> list | None:
+        """Remainder mains' exceptions as JSON: per bucket, per entry, [indices, high bits]."""
+        if self.config.main_storage != "remainder":
+            return None
+        return [[[e.index.tolist(), e.high.tolist()] for e in bucket] for bucket in self._exceptions]
+
+    def _import_exceptions(self, saved: list | None) -> None:
+        if self.config.main_storage != "remainder":
+            return
+        self._exceptions = [
+            [
+                remainder.Exceptions(
+                    torch.tensor(index, dtype=torch.int64), torch.tensor(high, dtype=remainder.STORAGE_DTYPE)
+                )
+                for index, high in bucket
+            ]
+            for bucket in saved
+        ]
+
     # ---- reading the state back (tests, the demo, checkpoint export) ---------
 
     @torch.no_grad()
@@ -496,18 +619,18 @@ class StreamingStore:
         """Yield (entry index, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket
         in memory at a time; moments are None before the entry's first update."""
         self._check_open()
+        self._drop_prefetch()
         for i in self._resident_entries:
             moments = self._resident_optimizer.moments(self.entries[i].main)
             yield (i, self.entries[i].main.detach().cpu().clone(), *self._cpu_moments(moments))
         for bucket, optimizer in zip(self.buckets, self._bucket_optimizers, strict=True):
-            entries = [self.entries[i] for i in bucket.entry_indices]
-            with self._open(bucket) as fd:
-                try:
-                    self._fetch(bucket, optimizer, entries, fd, StepStats())
-                    for i, entry in zip(bucket.entry_indices, entries, strict=True):
-                        yield (i, entry.main.cpu().clone(), *self._cpu_moments(optimizer.moments(entry.main)))
-                finally:
-                    self._release(entries, optimizer)
+            flight = self._start_fetch(bucket, optimizer, StepStats())
+            try:
+                self._finish_fetch(flight)
+                for i, entry in zip(bucket.entry_indices, flight.entries, strict=True):
+                    yield (i, entry.main.cpu().clone(), *self._cpu_moments(optimizer.moments(entry.main)))
+            finally:
+                self._abort([flight])
 
     @staticmethod
     def _cpu_moments(moments):
@@ -534,14 +657,6 @@ class StreamingStore:
                 numel * MATERIALIZED_BYTES_PER_ELEMENT / 1e9,
             )
 
-    @contextlib.contextmanager
-    def _open(self, bucket: BucketLayout) -> Iterator[int]:
-        fd = open_bucket_file(self.scratch.file(bucket.file_name))
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
     def _attach_grads(self, entry_indices: Sequence[int]) -> None:
         for i in entry_indices:
             entry = self.entries[i]
@@ -549,92 +664,161 @@ class StreamingStore:
             if grad is not entry.main.grad:
                 entry.main.grad = grad
 
-    def _fetch(
-        self, bucket: BucketLayout, optimizer: BucketOptimizer, entries: list[Entry], fd: int, stats: StepStats
-    ) -> None:
-        path = self.scratch.file(bucket.file_name)
-        main_segment = bucket.segments["main"]
-        for k, entry in enumerate(entries):
-            self._residency.materialize(entry.main)
-            self._engine.read(fd, path, main_segment.entry_offsets[k], _bytes_of(entry.main))
-            stats.bytes_read += main_segment.entry_nbytes[k]
-            moments = optimizer.moments(entry.main)
-            if moments is None:
-                continue  # no update yet: the optimizer creates the moments itself
-            for name, moment in zip(MOMENT_SEGMENTS, moments, strict=True):
+    def _tensors(self, flight: _Flight, k: int) -> list[tuple[str, torch.Tensor]]:
+        """(segment, fp32 tensor) of entry ``k``: its main, then its moments if it has any."""
+        main = flight.entries[k].main
+        moments = flight.optimizer.moments(main)
+        return [("main", main), *(zip(MOMENT_SEGMENTS, moments, strict=True) if moments is not None else ())]
+
+    def _read_ahead(self, last: int, ahead: deque[_Flight], writing: deque[_Flight], stats: StepStats) -> None:
+        """Start fetching buckets up to index ``last``, after those in ``ahead``;
+        while ``buckets_in_flight`` are materialized, retire the oldest write first."""
+        started = (ahead[-1].bucket.index + 1) if ahead else (writing[-1].bucket.index + 1 if writing else 0)
+        for index in range(started, min(last, len(self.buckets) - 1) + 1):
+            while len(ahead) + len(writing) >= self.config.depth:
+                if not writing:
+                    return
+                self._retire(writing.popleft())
+            ahead.append(self._start_fetch(self.buckets[index], self._bucket_optimizers[index], stats))
+
+    def _start_fetch(self, bucket: BucketLayout, optimizer: BucketOptimizer, stats: StepStats) -> _Flight:
+        """Materialize the bucket's mains and moments and submit their reads. A
+        stored format other than fp32 lands in a temporary, converted by
+        :meth:`_finish_fetch`."""
+        flight = _Flight(bucket, optimizer, [self.entries[i] for i in bucket.entry_indices], None)
+        transfers: list[Transfer] = []
+        try:
+            flight.handle = self._backing.open(bucket)
+            for k in range(len(flight.entries)):
+                for name, tensor in self._tensors(flight, k):
+                    segment = bucket.segments[name]
+                    self._residency.materialize(tensor)
+                    target = tensor
+                    if segment.dtype != tensor.dtype:
+                        target = self._residency.temporary(tensor, segment.dtype)
+                        flight.converts.append((name, k, target, tensor))
+                    transfers.append((segment.entry_offsets[k], _bytes_of(target)))
+                    stats.bytes_read += segment.entry_nbytes[k]
+            flight.reads = self._engine.read(flight.handle, transfers)
+        except BaseException:
+            self._abort([flight])
+            raise
+        return flight
+
+    def _finish_fetch(self, flight: _Flight) -> None:
+        flight.reads.wait()
+        flight.reads = None
+        for name, k, stored, tensor in flight.converts:
+            if name == "main":
+                exceptions = self._exceptions[flight.bucket.index][k]
+                remainder.decode(stored, flight.entries[k].param, exceptions, tensor)
+            else:
+                tensor.copy_(stored)  # widen the stored moment format on the device
+            self._residency.release(stored)
+        flight.converts.clear()
+
+    def _compute(self, flight: _Flight) -> None:
+        optimizer = flight.optimizer
+        self._attach_grads(flight.bucket.entry_indices)
+        fresh = [e for e in flight.entries if optimizer.moments(e.main) is None]
+        optimizer.step()
+        for entry in fresh:
+            # Moments the optimizer created in this step (an entry's first update).
+            for moment in optimizer.moments(entry.main) or ():
+                self._residency.adopt(moment)
+        for entry in flight.entries:
+            entry.main.grad = None  # the fp32 grad is not state; drop it now
+            self._copy_to_model(entry)
+
+    def _start_store(self, flight: _Flight, stats: StepStats, moments: bool = True) -> None:
+        """Submit the writes of the bucket's mains (and moments). Narrowing to the
+        stored format happens on the device, before the host copy: a same-dtype
+        device->host copy is far faster than a converting one."""
+        bucket = flight.bucket
+        transfers: list[Transfer] = []
+        for k, entry in enumerate(flight.entries):
+            for name, tensor in self._tensors(flight, k) if moments else [("main", entry.main)]:
                 segment = bucket.segments[name]
-                self._residency.materialize(moment)
-                self._read_cast(fd, path, segment.entry_offsets[k], moment, segment.dtype)
-                stats.bytes_read += segment.entry_nbytes[k]
-
-    def _read_cast(self, fd: int, path: str, offset: int, dst: torch.Tensor, stored: torch.dtype) -> None:
-        if stored == dst.dtype:
-            self._engine.read(fd, path, offset, _bytes_of(dst))
-            return
-        # Read the stored format into a device temporary, then widen on the device.
-        tmp = torch.empty(dst.shape, dtype=stored, device=dst.device)
-        self._engine.read(fd, path, offset, _bytes_of(tmp))
-        dst.copy_(tmp)
-
-    def _write_cast(self, fd: int, path: str, offset: int, src: torch.Tensor, stored: torch.dtype) -> None:
-        # Narrow on the device before the host copy: a same-dtype device->host copy
-        # is far faster than a converting one.
-        data = src if stored == src.dtype else src.to(stored)
-        self._engine.write(fd, path, offset, _bytes_of(data))
-
-    def _step_bucket(self, bucket: BucketLayout, optimizer: BucketOptimizer, stats: StepStats) -> None:
-        entries = [self.entries[i] for i in bucket.entry_indices]
-        path = self.scratch.file(bucket.file_name)
-        with self._open(bucket) as fd:
-            try:
-                self._fetch(bucket, optimizer, entries, fd, stats)
-                self._attach_grads(bucket.entry_indices)
-                fresh = [e for e in entries if optimizer.moments(e.main) is None]
-                optimizer.step()
-                for entry in fresh:
-                    # Moments the optimizer created in this step (an entry's first update).
-                    for moment in optimizer.moments(entry.main) or ():
-                        self._residency.adopt(moment)
-                for entry in entries:
-                    entry.main.grad = None  # the fp32 grad is not state; drop it now
-                for k, entry in enumerate(entries):
-                    self._copy_to_model(entry)
-                    self._engine.write(fd, path, bucket.segments["main"].entry_offsets[k], _bytes_of(entry.main))
-                    stats.bytes_written += bucket.segments["main"].entry_nbytes[k]
-                    moments = optimizer.moments(entry.main)
-                    if moments is None:
-                        continue
-                    for name, moment in zip(MOMENT_SEGMENTS, moments, strict=True):
-                        segment = bucket.segments[name]
-                        self._write_cast(fd, path, segment.entry_offsets[k], moment, segment.dtype)
-                        stats.bytes_written += segment.entry_nbytes[k]
-            finally:
-                self._release(entries, optimizer)
+                source = tensor
+                if name == "main" and segment.dtype == remainder.STORAGE_DTYPE:
+                    source = self._residency.temporary(tensor, segment.dtype)
+                    self._exceptions[bucket.index][k] = remainder.encode(tensor, entry.param, source)
+                elif segment.dtype != tensor.dtype:
+                    source = self._residency.temporary(tensor, segment.dtype)
+                    source.copy_(tensor)
+                if source is not tensor:
+                    flight.temporaries.append(source)
+                transfers.append((segment.entry_offsets[k], _bytes_of(source)))
+                stats.bytes_written += segment.entry_nbytes[k]
+        if self._device.type == "cuda":
+            # The writer threads copy on their own streams: the update, the narrowing
+            # and the encoding on this stream must be finished before they start.
+            torch.cuda.current_stream(self._device).synchronize()
+        flight.writes = self._engine.write(flight.handle, transfers)
         stats.buckets += 1
 
-    def _release(self, entries: list[Entry], optimizer: BucketOptimizer) -> None:
-        for entry in entries:
+    def _retire(self, flight: _Flight) -> None:
+        """Wait for the bucket's writes, then release its device memory."""
+        flight.writes.wait()
+        flight.writes = None
+        self._release(flight)
+
+    def _release(self, flight: _Flight) -> None:
+        for entry in flight.entries:
             self._residency.release(entry.main)
-            for moment in optimizer.moments(entry.main) or ():
+            for moment in flight.optimizer.moments(entry.main) or ():
                 self._residency.release(moment)
+        for _, _, stored, _ in flight.converts:
+            self._residency.release(stored)
+        for t in flight.temporaries:
+            self._residency.release(t)
+        flight.converts.clear()
+        flight.temporaries.clear()
+        if flight.handle is not None:
+            flight.handle.close()
+            flight.handle = None
+
+    def _abort(self, flights: Sequence[_Flight]) -> None:
+        """Stop using ``flights`` after a failure or when their state is not needed:
+        wait until no transfer touches their memory, then release it. Errors of
+        the transfers themselves were (or will be) reported by their owner."""
+        for flight in flights:
+            for ticket in (flight.reads, flight.writes):
+                if ticket is not None:
+                    with contextlib.suppress(BaseException):
+                        ticket.wait()
+            flight.reads = flight.writes = None
+            self._release(flight)
+
+    def _drop_prefetch(self) -> None:
+        flights, self._prefetched = self._prefetched, deque()
+        self._abort(flights)
+        self._prefetch_stats = StepStats()
 
     @torch.no_grad()
     def _write_mains(self, fill: CopyFn | None) -> None:
-        for bucket in self.buckets:
-            entries = [self.entries[i] for i in bucket.entry_indices]
-            path = self.scratch.file(bucket.file_name)
-            segment = bucket.segments["main"]
-            with self._open(bucket) as fd:
-                for k, entry in enumerate(entries):
+        """Write every bucket's mains (moments untouched), ``buckets_in_flight`` at a
+        time: filled from the params by ``fill``, or as they are when it is None."""
+        writing: deque[_Flight] = deque()
+        try:
+            for bucket, optimizer in zip(self.buckets, self._bucket_optimizers, strict=True):
+                while len(writing) >= self.config.depth:
+                    self._retire(writing.popleft())
+                flight = _Flight(bucket, optimizer, [self.entries[i] for i in bucket.entry_indices], None)
+                writing.append(flight)
+                flight.handle = self._backing.open(bucket)
+                for entry in flight.entries:
                     if fill is None:
                         self._residency.adopt(entry.main)  # already holds its initial value
                     else:
                         self._residency.materialize(entry.main)
                         fill(entry.param, entry.main)
-                    try:
-                        self._engine.write(fd, path, segment.entry_offsets[k], _bytes_of(entry.main))
-                    finally:
-                        self._residency.release(entry.main)
+                self._start_store(flight, StepStats(), moments=False)
+            while writing:
+                self._retire(writing.popleft())
+        except BaseException:
+            self._abort(writing)
+            raise
 
 
 @contextlib.contextmanager

@@ -26,6 +26,6 @@ def test_cuda_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dt
     ref_params, ref_state = reference_run(opt_cls, dtype, STEPS, device="cuda")
     assert all(same_bytes(a, b) for a, b in zip(control_params, ref_params, strict=True)), "control run differs"
     params, state, streamed = streamed_run(opt_cls, dtype, STEPS, tmp_path, device="cuda")
-    assert streamed.store._engine.staging.tensor.is_pinned()
+    assert streamed.store._engine.idle_buffer().tensor.is_pinned()
     assert_same_training((ref_params, ref_state), (params, state))
     streamed.close()

@@ -6,6 +6,7 @@ import pytest
 
 from miles_plugins.optimizers import StreamConfigError
 from miles_plugins.optimizers.args import add_arguments, default_directory, validate_args
+from miles_plugins.optimizers.config import DEFAULT_STAGING_CHUNK_MB
 
 # The miles/Megatron fields these checks read, at their launcher defaults.
 BASE = dict(
@@ -127,6 +128,6 @@ def test_parser_gets_the_flags_and_keeps_shared_ones_it_already_has():
     assert args.stream_optimizer_state_to_disk is True
     assert args.stream_optimizer_state_moment_dtype == "bf16"
     assert args.offload_train_disk_dir == "/launcher/default"
-    assert args.offload_train_disk_chunk_mb == 64
+    assert args.offload_train_disk_chunk_mb == DEFAULT_STAGING_CHUNK_MB
     with pytest.raises(SystemExit):
         parser.parse_args(["--stream-optimizer-state-moment-dtype", "fp64"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.io import StagingBuffer, SyncFileEngine
+from miles_plugins.optimizers.io import FileHandle, StagingBuffer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,14 +125,15 @@ def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
 def test_write_error_names_file_and_offset(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"\0" * 8192)
-    fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
+    handle = FileHandle(str(path), direct=False)
+    os.close(handle.fd)
+    handle.fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
     try:
-        engine = SyncFileEngine(StagingBuffer(4096, pin=False))
         with pytest.raises(StreamIOError, match=r"write of .*f.bin failed at offset 4096") as info:
-            engine.write(fd, str(path), 4096, torch.ones(100, dtype=torch.uint8))
+            handle.write(4096, torch.ones(100, dtype=torch.uint8), StagingBuffer(4096, pin=False))
         assert info.value.offset == 4096
     finally:
-        os.close(fd)
+        handle.close()
 
 
 def test_unsupported_optimizers_are_refused(tmp_path):
