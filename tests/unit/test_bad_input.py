@@ -1,5 +1,7 @@
 """Bad input gets a clear error, and nothing is written."""
 
+import errno
+import fcntl
 import logging
 import os
 import shlex
@@ -152,3 +154,41 @@ def test_an_optimizer_that_already_stepped_is_refused(tmp_path):
     optimizer.step()
     with pytest.raises(StreamConfigError, match="before its first step"):
         StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path)))
+
+
+def test_bucket_files_use_direct_io_where_the_filesystem_allows_it(tmp_path):
+    from miles_plugins.optimizers.scratch import filesystem_type
+
+    if filesystem_type(str(tmp_path)) not in ("ext4", "xfs"):
+        pytest.skip(f"{tmp_path} is on {filesystem_type(str(tmp_path))}, not a disk filesystem")
+    streamed = _wrap(tmp_path, model=_bf16_model())
+    assert streamed.store._backing.direct is True
+    handle = streamed.store._backing.open(streamed.store.buckets[0])
+    try:
+        assert fcntl.fcntl(handle.fd, fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        handle.close()
+    streamed.close()
+
+
+def test_a_filesystem_refusing_direct_io_falls_back_to_buffered_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """Simulated: this machine's filesystems (ext4, and tmpfs on kernels >= 6.6) all
+    accept O_DIRECT, so opens with O_DIRECT fail with EINVAL here as they do on
+    filesystems without direct I/O support."""
+    real_open = os.open
+
+    def open_without_direct_io(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_without_direct_io)
+    model = _bf16_model()
+    with caplog.at_level(logging.WARNING):
+        streamed = _wrap(tmp_path, model=model)
+    assert "refuses O_DIRECT: using buffered I/O" in caplog.text
+    assert streamed.store._backing.direct is False
+    model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    streamed.step()
+    streamed.step()
+    streamed.close()

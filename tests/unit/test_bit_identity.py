@@ -45,6 +45,32 @@ def test_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dtype):
     streamed.close()
 
 
+# Every way of storing and moving the state: (tier, engine, main storage).
+MODES = [
+    ("disk", "pipelined", "fp32"),
+    ("disk", "pipelined", "remainder"),
+    ("disk", "sync", "fp32"),
+    ("disk", "sync", "remainder"),
+    ("host", "pipelined", "fp32"),
+    ("host", "pipelined", "remainder"),
+    ("host", "sync", "fp32"),
+]
+
+
+@pytest.mark.parametrize("tier, engine, main_storage", MODES, ids=["-".join(m) for m in MODES])
+def test_every_tier_engine_and_main_storage_is_byte_identical_to_resident(tmp_path, tier, engine, main_storage):
+    ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+    params, state, streamed = streamed_run(
+        torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, tier=tier, engine=engine, main_storage=main_storage
+    )
+    assert_same_training((ref_params, ref_state), (params, state))
+    main_bytes = {"fp32": 4, "remainder": 2}[main_storage]
+    elements = sum(b.numel for b in streamed.store.buckets)
+    first_step_reads = main_bytes * elements  # mains only: the moments do not exist yet
+    assert streamed.store.total.bytes_read == first_step_reads + (STEPS - 1) * (main_bytes + 8) * elements
+    streamed.close()
+
+
 def test_lr_schedule_and_weight_decay_changes_reach_every_bucket(tmp_path):
     """Without the mid-run changes the two runs must differ: the changes really matter."""
     _, state, streamed = streamed_run(torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path)

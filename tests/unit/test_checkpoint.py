@@ -81,6 +81,49 @@ def test_save_load_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, op
     streamed.close()
 
 
+@pytest.mark.parametrize(
+    "saving, loading",
+    [
+        ({"tier": "host", "main_storage": "remainder"}, {"tier": "host", "main_storage": "remainder"}),
+        ({"engine": "sync", "main_storage": "remainder"}, {"main_storage": "remainder"}),
+        ({"tier": "host"}, {"tier": "disk", "engine": "sync"}),
+    ],
+    ids=["host-remainder", "sync-to-pipelined-remainder", "host-to-disk"],
+)
+def test_checkpoints_resume_byte_identical_across_tiers_and_engines(tmp_path, saving, loading):
+    """The checkpoint format depends on the storage formats only, not on where or how the state streams."""
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt, **saving)[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, **loading)
+    assert streamed.load_from(str(ckpt))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_remainder_exceptions_travel_with_the_checkpoint(tmp_path):
+    """Mains on exact ties need their exceptions: a load must bring them back."""
+    tie_bits = torch.tensor([0x3F818000, 0x3F838000, 0x3F808000, 0x3F800001] * 25, dtype=torch.int32)
+    mains = tie_bits.view(torch.float32)
+
+    def store(name):
+        param = mains.to(torch.bfloat16)
+        entry = Entry(param=param, main=mains.clone(), group_index=0)
+        config = StreamConfig(directory=str(tmp_path / "scratch"), name=name, main_storage="remainder")
+        return StreamingStore([entry], backend_for(torch.optim.AdamW([entry.main])), config)
+
+    first = store("r0")
+    assert sum(len(e) for bucket in first._exceptions for e in bucket) == 50
+    first.save_to(str(tmp_path / "ckpt"))
+    first.close()
+    second = store("r0")
+    second._exceptions = [[type(e).none() for e in bucket] for bucket in second._exceptions]  # forget them
+    assert second.load_from(str(tmp_path / "ckpt"))
+    ((_, main, _, _),) = list(second.iter_state())
+    assert torch.equal(main.view(torch.int32), tie_bits)
+    second.close()
+
+
 def test_without_the_load_the_resumed_run_differs(tmp_path):
     """The control: resuming without the optimizer state must not match (the test can fail)."""
     ckpt = tmp_path / "ckpt"
@@ -148,6 +191,12 @@ def refusal(tmp_path, ckpt, **kw):
 def test_changed_moment_dtype_is_refused(tmp_path, saved):
     assert 'moment dtype differs: checkpoint has "fp32", this run has "bf16"' in refusal(
         tmp_path, saved, moment_dtype="bf16"
+    )
+
+
+def test_changed_main_storage_is_refused(tmp_path, saved):
+    assert 'main dtype differs: checkpoint has "fp32", this run has "fp32 as bf16 param + int16 remainder"' in (
+        refusal(tmp_path, saved, main_storage="remainder")
     )
 
 

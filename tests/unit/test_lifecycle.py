@@ -1,11 +1,12 @@
 """Storage released between steps, lazy moments, residency bound, counters, refresh."""
 
 import logging
+import os
 
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
 from tests.unit.reference import same_bytes
 
 
@@ -145,4 +146,61 @@ def test_mains_reflect_the_params_they_were_built_from(tmp_path):
     for p, main, exp_avg, exp_avg_sq in streamed.iter_state():
         assert same_bytes(main, p.detach().float())
         assert exp_avg is None and exp_avg_sq is None
+    streamed.close()
+
+
+def _train_and_read(tmp_path, prefetch_at, steps=4, **kw):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model, **kw)
+    for step in range(steps):
+        if prefetch_at == "before_backward":
+            streamed.store.prefetch()
+        _backward(model, step)
+        if prefetch_at == "after_backward":
+            streamed.store.prefetch()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = [(main, m, v) for _, main, m, v in streamed.iter_state()]
+    stats = streamed.store.total
+    streamed.close()
+    return state, stats
+
+
+@pytest.mark.parametrize("prefetch_at", ["before_backward", "after_backward"])
+def test_prefetch_changes_nothing_but_when_reads_start(tmp_path, prefetch_at):
+    plain, plain_stats = _train_and_read(tmp_path / "plain", None)
+    early, early_stats = _train_and_read(tmp_path / "early", prefetch_at)
+    assert all(same_bytes(a, b) for x, y in zip(plain, early, strict=True) for a, b in zip(x, y, strict=True))
+    assert (early_stats.bytes_read, early_stats.bytes_written) == (plain_stats.bytes_read, plain_stats.bytes_written)
+
+
+def test_a_refresh_drops_prefetched_mains(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    _backward(model, 0)
+    optimizer.step()
+    streamed.store.prefetch()  # reads the mains as they are now...
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.25)
+    streamed.store.refresh_main_from_model_params(lambda param, main: main.copy_(param))  # ...then they change
+    assert _storage_bytes(streamed) == 0, "the prefetched buckets must be released"
+    for _, main, _, _ in streamed.iter_state():
+        assert torch.equal(main, torch.full_like(main, 0.25))
+    streamed.close()
+
+
+def test_a_step_that_fails_after_writing_leaves_the_store_refusing(tmp_path):
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    _backward(model, 0)
+    optimizer.step()
+    last = streamed.store.buckets[-1]
+    os.truncate(streamed.store.scratch.file(last.file_name), 4096)  # the last bucket's read fails
+    _backward(model, 1)
+    with pytest.raises(StreamIOError, match=last.file_name):
+        optimizer.step()
+    assert _storage_bytes(streamed) == 0, "a failed step must release what it materialized"
+    with pytest.raises(RuntimeError, match="failed after it began writing"):
+        optimizer.step()
     streamed.close()
