@@ -62,7 +62,8 @@ class StagingBuffer:
         if pin:
             raw = torch.empty(raw_bytes, dtype=torch.uint8, pin_memory=True)
         else:
-            self._mapping = mmap.mmap(-1, raw_bytes)
+            # Private: a shared anonymous mapping would be shmem, counted as page cache.
+            self._mapping = mmap.mmap(-1, raw_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
         skip = -raw.data_ptr() % ALIGNMENT
         self.tensor = raw[skip : skip + nbytes]
@@ -262,18 +263,19 @@ def _chunks(transfers: Sequence[Transfer], chunk: int):
 
 
 class SyncEngine:
-    """The baseline: each transfer runs now, on the caller's thread, chunk by chunk
+    """The baseline: each transfer runs now, on the caller's thread and stream
+    (so it is ordered after the caller's work without an event), chunk by chunk
     through one staging buffer."""
 
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
         self.staging = StagingBuffer(chunk_bytes, pin)
 
-    def read(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         for offset, dst in _chunks(transfers, self.staging.nbytes):
             handle.read(offset, dst, self.staging)
         return Ticket()
 
-    def write(self, handle, transfers: Sequence[Transfer]) -> Ticket:
+    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         for offset, src in _chunks(transfers, self.staging.nbytes):
             handle.write(offset, src, self.staging)
         return Ticket()
@@ -292,9 +294,14 @@ class PipelinedEngine:
     Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
     device copy runs on that stream and is complete before the thread takes its
     next request, so a staging chunk is never reused while a copy reads it.
-    Callers order device work themselves: tensors a write reads must be final
-    (the caller synchronizes its stream first), tensors a read fills are used
-    only after the read's ticket is waited on.
+
+    Ordering with the caller's stream: ``ready`` is an event the caller records
+    after the last work that must come first; each request's copy waits for it
+    on the device. A write needs it (the update must be done before its bytes
+    are copied out); so does a read into freshly allocated memory (the caching
+    allocator hands out blocks whose previous users on the caller's stream may
+    still be running). Tensors a read fills are used only after its ticket is
+    waited on.
     """
 
     def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device) -> None:
@@ -315,23 +322,23 @@ class PipelinedEngine:
         self._readers = concurrent.futures.ThreadPoolExecutor(threads, "stream-read", init_worker)
         self._writers = concurrent.futures.ThreadPoolExecutor(threads, "stream-write", init_worker)
 
-    def _run(self, op, offset: int, tensor: torch.Tensor) -> None:
+    def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         local = self._local
-        if self._device.type == "cuda":
-            with torch.cuda.stream(local.stream):
-                op(offset, tensor, local.staging)
-        else:
+        if self._device.type != "cuda":
+            op(offset, tensor, local.staging)
+            return
+        with torch.cuda.stream(local.stream):
+            if ready is not None:
+                local.stream.wait_event(ready)
             op(offset, tensor, local.staging)
 
-    def read(self, handle, transfers: Sequence[Transfer]) -> Ticket:
-        return Ticket(
-            [self._readers.submit(self._run, handle.read, o, t) for o, t in _chunks(transfers, self.chunk_bytes)]
-        )
+    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        chunks = _chunks(transfers, self.chunk_bytes)
+        return Ticket([self._readers.submit(self._run, handle.read, o, t, ready) for o, t in chunks])
 
-    def write(self, handle, transfers: Sequence[Transfer]) -> Ticket:
-        return Ticket(
-            [self._writers.submit(self._run, handle.write, o, t) for o, t in _chunks(transfers, self.chunk_bytes)]
-        )
+    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        chunks = _chunks(transfers, self.chunk_bytes)
+        return Ticket([self._writers.submit(self._run, handle.write, o, t, ready) for o, t in chunks])
 
     def idle_buffer(self) -> StagingBuffer:
         """A staging chunk the caller may use while no transfer is in flight."""

@@ -5,6 +5,9 @@ its fp32 main shards and rebinds, on that instance only (never on the class:
 two optimizers in one process may differ), every entry point that touches
 optimizer state:
 
+- ``prepare_grads``: upstream's own method, after starting the reads of the
+  first buckets (``store.prefetch()``), so they overlap the grad copy, the
+  unscale and the grad-norm reduction that upstream runs before the step.
 - ``step_with_ready_grads``: upstream's own method still runs, all-gather tail
   included; inside it the inner optimizer's ``step`` is the streamed step, which
   copies each bucket's updated mains into the param buffer as the bucket
@@ -225,6 +228,10 @@ class MegatronBinding:
     def refresh_main_from_model_params(self, copy_fn) -> None:
         self.store.refresh_main_from_model_params(copy_fn)
 
+    def prefetch(self) -> None:
+        """Start reading the next step's first buckets (``StreamingStore.prefetch``)."""
+        self.store.prefetch()
+
     def save_to(self, base_dir: str) -> None:
         self.store.save_to(base_dir)
 
@@ -348,6 +355,11 @@ class MegatronBinding:
         opt, store = self.dist_opt, self.store
         bind_master(opt.optimizer, self, read_state_with="MegatronBinding.iter_state()")
         upstream_step_with_ready_grads = opt.step_with_ready_grads
+        upstream_prepare_grads = opt.prepare_grads
+
+        def prepare_grads(self_: Any) -> bool:
+            store.prefetch()
+            return upstream_prepare_grads()
 
         def step_with_ready_grads(self_: Any) -> bool:
             before = store.steps_taken
@@ -391,6 +403,7 @@ class MegatronBinding:
             return None
 
         for name, fn in (
+            ("prepare_grads", prepare_grads),
             ("step_with_ready_grads", step_with_ready_grads),
             ("_copy_main_params_to_model_params", copy_main_params_to_model_params),
             ("reload_model_params", reload_model_params),

@@ -699,7 +699,7 @@ class StreamingStore:
                         flight.converts.append((name, k, target, tensor))
                     transfers.append((segment.entry_offsets[k], _bytes_of(target)))
                     stats.bytes_read += segment.entry_nbytes[k]
-            flight.reads = self._engine.read(flight.handle, transfers)
+            flight.reads = self._engine.read(flight.handle, transfers, self._ready_event())
         except BaseException:
             self._abort([flight])
             raise
@@ -750,12 +750,18 @@ class StreamingStore:
                     flight.temporaries.append(source)
                 transfers.append((segment.entry_offsets[k], _bytes_of(source)))
                 stats.bytes_written += segment.entry_nbytes[k]
-        if self._device.type == "cuda":
-            # The writer threads copy on their own streams: the update, the narrowing
-            # and the encoding on this stream must be finished before they start.
-            torch.cuda.current_stream(self._device).synchronize()
-        flight.writes = self._engine.write(flight.handle, transfers)
+        # The writer threads copy on their own streams, after the update, the
+        # narrowing and the encoding queued on this one.
+        flight.writes = self._engine.write(flight.handle, transfers, self._ready_event())
         stats.buckets += 1
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """An event on the caller's stream after everything queued so far (CUDA only)."""
+        if self._device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     def _retire(self, flight: _Flight) -> None:
         """Wait for the bucket's writes, then release its device memory."""

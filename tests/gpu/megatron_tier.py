@@ -10,7 +10,10 @@ process it trains the same model several times from the same seeds:
 - resident twice (the control: if the two differ, no comparison means anything);
 - streamed with fp32 moments, turned on the way a launcher does it (flags parsed
   by ``add_arguments`` -> ``setup_optimizer_state_streaming(args, optimizer)``);
-- streamed with bf16 moments.
+- streamed with bf16 moments;
+- the other ways to store and move the state (``VARIANTS``: remainder mains,
+  the host-RAM tier, the sync baseline engine), each judged bit for bit
+  against the resident run too.
 
 The LR schedule is Megatron's ``OptimizerParamScheduler`` (warmup then cosine
 decay, so the LR changes every step) and grads are clipped. Rank 0 writes one
@@ -194,7 +197,20 @@ def all_same(xs, ys) -> bool:
     return len(xs) == len(ys) and all(same_bytes(x, y) for x, y in zip(xs, ys, strict=True))
 
 
-def flags(directory: str, moment_dtype: str) -> argparse.Namespace:
+# Streamed runs beyond the default (disk tier, pipelined engine, fp32 mains): extra flags.
+VARIANTS = {
+    "remainder_mains": ["--stream-optimizer-state-main-storage", "remainder"],
+    "host_tier_remainder": [
+        "--stream-optimizer-state-tier",
+        "host",
+        "--stream-optimizer-state-main-storage",
+        "remainder",
+    ],
+    "sync_engine": ["--stream-optimizer-state-engine", "sync"],
+}
+
+
+def flags(directory: str, moment_dtype: str, extra: list[str] = ()) -> argparse.Namespace:
     """What a launcher's parser produces for the streaming flags, plus the Megatron fields it checks."""
     from miles_plugins.optimizers.args import add_arguments
 
@@ -205,10 +221,12 @@ def flags(directory: str, moment_dtype: str) -> argparse.Namespace:
             directory,
             "--stream-optimizer-state-moment-dtype",
             moment_dtype,
+            *extra,
         ]
     )
     args.use_distributed_optimizer = True
     args.optimizer = "adam"
+    args.bf16 = True
     return args
 
 
@@ -258,6 +276,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
         "bucket_bytes_max": max(b.store.bucket_bytes_max for b in bindings),
         "max_resident_state_bytes": max(b.store.max_resident_state_bytes for b in bindings),
         "buckets": sum(len(b.store.buckets) for b in bindings),
+        "buckets_in_flight": bindings[0].store.config.depth,
     }
     # Evidence per rank: the counters of every store, and that the state dict
     # family answers without touching evicted storage.
@@ -294,6 +313,27 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
     result["bf16_mains_differ"] = not all_same([s[0] for s in streamed_state(bindings)], [s[0] for s in resident_opt])
     for b in bindings:
         b.store.close()
+    del ddp, opt, sched, bindings
+    torch.cuda.empty_cache()
+
+    result["variants"] = {}
+    for name, extra in VARIANTS.items():
+        ddp, opt, sched, baseline = build(moe, expert_parallel)
+        bindings = setup_optimizer_state_streaming(flags(directory, "fp32", extra), opt)
+        variant = train(ddp, opt, sched, baseline, steps)
+        state = streamed_state(bindings)
+        result["variants"][name] = {
+            "identical": variant["losses"] == resident["losses"]
+            and all_same(params_of(ddp), resident_params)
+            and len(state) == len(resident_opt)
+            and all(all_same(s, r) for s, r in zip(state, resident_opt, strict=True)),
+            "bytes_read": sum(b.store.total.bytes_read for b in bindings),
+            "step_peak_bytes": max(variant["peaks"]),
+        }
+        for b in bindings:
+            b.store.close()
+        del ddp, opt, sched, bindings
+        torch.cuda.empty_cache()
 
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"rank": rank, **result, "counters": counters})

@@ -70,6 +70,10 @@ REFUSED = {
     "cpu training offload": (dict(offload_train=True, offload_train_target="cpu"), "targets 'cpu'"),
     "training offload without target": (dict(offload_train=True), "targets None"),
     "bad chunk": (dict(offload_train_disk_chunk_mb=0), "positive number of MiB"),
+    "remainder mains without bf16": (
+        dict(stream_optimizer_state_main_storage="remainder", bf16=False),
+        "'remainder' without --bf16",
+    ),
 }
 
 

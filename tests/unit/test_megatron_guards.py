@@ -182,3 +182,37 @@ def test_flags_reach_the_stream_config(tmp_path):
     assert config == StreamConfig(
         directory=str(tmp_path), moment_dtype="bf16", staging_chunk_mb=8, allow_fresh_state=True, name="rank3"
     )
+
+
+def test_tier_engine_and_format_flags_reach_the_stream_config(tmp_path):
+    args = parse(
+        "--stream-optimizer-state-to-disk",
+        "--offload-train-disk-dir",
+        str(tmp_path),
+        "--stream-optimizer-state-tier",
+        "host",
+        "--stream-optimizer-state-engine",
+        "sync",
+        "--stream-optimizer-state-main-storage",
+        "remainder",
+        "--stream-optimizer-state-buckets-in-flight",
+        "5",
+        "--stream-optimizer-state-io-threads",
+        "2",
+        "--stream-optimizer-state-bucket-cap",
+        "1000",
+        "--no-stream-optimizer-state-direct-io",
+    )
+    config = config_from_args(args, name="rank0")
+    assert (config.tier, config.engine, config.main_storage) == ("host", "sync", "remainder")
+    assert (config.buckets_in_flight, config.io_threads, config.bucket_cap_elements) == (5, 2, 1000)
+    assert config.direct_io is False
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--stream-optimizer-state-buckets-in-flight", "0"), ("--stream-optimizer-state-io-threads", "-1")]
+)
+def test_non_positive_pipeline_settings_are_refused(tmp_path, flag, value):
+    args = parse("--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path), flag, value)
+    with pytest.raises(StreamConfigError, match="must be a positive integer"):
+        config_from_args(args, name="rank0")

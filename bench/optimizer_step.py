@@ -1,0 +1,481 @@
+"""Optimizer-step benchmark: every way of streaming the state, side by side in one run.
+
+    python -m bench.optimizer_step [--params N] [--steps K] [--dir DIR] [--regimes constrained,roomy]
+                                   [--memory-max-gib G] [--out bench-results/optimizer_step.json]
+
+A synthetic model of N bf16 params (4096 x 4096 matrices, smaller for small N) with fp32 grads kept
+resident (as Megatron's grad buffer does) is stepped with AdamW in each *mode*,
+each in its own process so GPU peaks, RSS and page cache are its own:
+
+- ``resident``: fp32 mains and moments on the device (no streaming);
+- ``sync-*``: the simple design (one bucket at a time, buffered I/O, one staging buffer);
+- ``pipelined-*``: the pipelined engine with direct I/O; ``rem`` = remainder mains;
+  ``fp32`` / ``bf16`` = moment storage;
+- ``host``: the pipelined engine over the host-RAM tier;
+- ``megatron-cpu-offload``: Megatron's ``HybridDeviceOptimizer`` (what
+  ``--optimizer-cpu-offload`` builds: CPU AdamW over fp32 copies), with
+  megatron-core and a GPU only.
+
+Two regimes. *constrained*: the disk modes run inside a cgroup v2 whose
+``memory.max`` is well below the state, so the page cache cannot hold it (the
+regime these runs live in; needs root and the memory controller, else it is
+skipped with a note). *roomy*: no limit; buffered I/O is served from page
+cache, and the host tier is the answer there.
+
+The disk bound is measured first, in the same directory, with direct I/O
+(``bench/disk.py``). Per mode: step seconds (median of K steps after one
+warm-up step that creates the moments), bytes moved, GB/s, ratio to the disk
+bound, optimizer-state residency on the device, device peak during the step,
+host RSS growth, page-cache growth. The JSON goes to ``--out`` (regimes from
+earlier runs with the same size are kept, so two calls can fill it) and a table
+is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench import disk
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, DEFAULT_IO_THREADS, DEFAULT_STAGING_CHUNK_MB
+
+WIDTH = 4096
+# A pipeline needs buckets to overlap: small models get a smaller cap than the store's default.
+MIN_BUCKETS = 16
+# Params are WIDTH x WIDTH matrices, or smaller so that a small model still has this many.
+MIN_TENSORS = 64
+LR, WEIGHT_DECAY, BETAS, EPS = 1e-4, 0.1, (0.9, 0.95), 1e-8
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+# mode -> StreamConfig settings (None: not a streamed mode).
+MODES: dict[str, dict | None] = {
+    "resident": None,
+    "sync-fp32": dict(engine="sync"),
+    "sync-bf16": dict(engine="sync", moment_dtype="bf16"),
+    "pipelined-fp32": dict(),
+    "pipelined-bf16": dict(moment_dtype="bf16"),
+    "pipelined-rem-fp32": dict(main_storage="remainder"),
+    "pipelined-rem-bf16": dict(main_storage="remainder", moment_dtype="bf16"),
+    "host": dict(tier="host"),
+    "host-rem": dict(tier="host", main_storage="remainder"),
+    "megatron-cpu-offload": None,
+}
+REGIMES = {
+    "constrained": [m for m in MODES if m.startswith(("sync", "pipelined"))],
+    "roomy": ["resident", "sync-fp32", "pipelined-fp32", "host", "host-rem", "megatron-cpu-offload"],
+}
+
+
+# ---- the child: one mode, one process --------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _page_cache_bytes() -> int:
+    """Page cache charged to this process's cgroup (v2), else the machine's."""
+    with open("/proc/self/cgroup") as f:
+        path = f.read().strip().split("::")[-1]
+    if path not in ("", "/"):
+        with open(os.path.join(CGROUP_ROOT, path.lstrip("/"), "memory.stat")) as f:
+            for line in f:
+                key, value = line.split()
+                if key == "file":
+                    return int(value)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _model(params: int, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """bf16 params of ``params`` elements in all, and their fp32 grads (fixed, resident)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    size = min(WIDTH * WIDTH, -(-params // MIN_TENSORS))
+    tensors, grads, left = [], [], params
+    while left > 0:
+        n = min(left, size)
+        tensors.append((torch.randn(n, generator=g, device=device) * 0.02).to(torch.bfloat16))
+        grads.append(torch.randn(n, generator=g, device=device) * 1e-3)
+        left -= n
+    return tensors, grads
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _steps(step, steps: int, device: torch.device) -> tuple[list[float], int]:
+    """One warm-up step, then ``steps`` timed ones; the device peak over the timed ones."""
+    step()
+    _sync(device)
+    seconds, peak = [], 0
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated())
+    return seconds, peak
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict:
+    from miles_plugins.optimizers.adam import backend_for
+    from miles_plugins.optimizers.config import StreamConfig
+    from miles_plugins.optimizers.store import Entry, StreamingStore
+
+    device = torch.device(args.device)
+    params, grads = _model(args.params, device)
+    rss_before = _status("VmRSS")
+    cache_before = _page_cache_bytes()
+    out: dict = {"mode": mode}
+    store = None
+
+    if mode == "resident":
+        mains = [p.float() for p in params]
+        for main, grad in zip(mains, grads, strict=True):
+            main.grad = grad
+        optimizer = torch.optim.AdamW(mains, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+        def step() -> None:
+            optimizer.step()
+            for p, main in zip(params, mains, strict=True):
+                p.copy_(main)
+
+    elif mode == "megatron-cpu-offload":
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+        for p, grad in zip(params, grads, strict=True):
+            p.decoupled_grad = grad  # HybridDeviceOptimizer reads fp32 grads from here
+        # As megatron.core.optimizer builds it for --optimizer-cpu-offload (offload fraction 1).
+        optimizer = HybridDeviceOptimizer(
+            [{"params": params}],
+            offload_fraction=1.0,
+            cpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=torch.optim.AdamW,
+            overlap_cpu_optimizer_d2h_h2d=True,
+            pin_cpu_grads=True,
+            pin_cpu_params=True,
+            param_update_in_fp32=True,
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            betas=BETAS,
+            eps=EPS,
+        )
+        step = optimizer.step
+
+    else:
+        entries = []
+        for p in params:
+            main = torch.empty(p.shape, dtype=torch.float32, device=device)
+            main.untyped_storage().resize_(0)
+            entries.append(Entry(param=p, main=main, group_index=0))
+        grad_of = {id(e.main): g for e, g in zip(entries, grads, strict=True)}
+        master = torch.optim.AdamW([e.main for e in entries], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        config = StreamConfig(
+            directory=args.dir,
+            name=f"bench-{os.getpid()}",
+            bucket_cap_elements=args.bucket_cap,
+            staging_chunk_mb=args.chunk_mb,
+            io_threads=args.io_threads,
+            **MODES[mode],
+        )
+        store = StreamingStore(
+            entries,
+            backend_for(master),
+            config,
+            grad_fn=lambda e: grad_of[id(e.main)],
+            copy_to_model=lambda e: e.param.copy_(e.main),
+            init_main=lambda p, m: m.copy_(p),
+        )
+        step = store.step
+        out.update(
+            buckets=len(store.buckets),
+            buckets_in_flight=config.depth,
+            bucket_bytes_max=store.bucket_bytes_max,
+            stored_bytes=store.file_bytes_total,
+            staging_bytes=config.staging_bytes_total,
+            direct_io=bool(getattr(store._backing, "direct", False)),
+        )
+
+    rss_setup = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from here: the peak of the steps alone
+    cache_steps = _page_cache_bytes()
+    with torch.no_grad():
+        seconds, peak = _steps(step, args.steps, device)
+    out.update(
+        step_seconds=statistics.median(seconds),
+        step_seconds_all=seconds,
+        device_peak_bytes=peak or None,
+        host_rss_setup_bytes=rss_setup - rss_before,
+        host_rss_step_growth_bytes=_status("VmHWM") - rss_setup,
+        page_cache_growth_bytes=_page_cache_bytes() - cache_steps,
+        page_cache_growth_since_start_bytes=_page_cache_bytes() - cache_before,
+    )
+    if store is not None:
+        out.update(
+            bytes_read=store.last_step.bytes_read,
+            bytes_written=store.last_step.bytes_written,
+            state_residency_bytes=store.max_resident_state_bytes,
+        )
+        store.close()
+    elif mode == "resident":
+        out["state_residency_bytes"] = 12 * args.params
+    return out
+
+
+# ---- the driver ------------------------------------------------------------------
+
+
+def _cgroup(limit: int) -> str | None:
+    """A fresh child cgroup with ``memory.max = limit``, or None (with the reason printed)."""
+    path = os.path.join(CGROUP_ROOT, f"miles-bench-{os.getpid()}")
+    try:
+        with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control")) as f:
+            if "memory" not in f.read().split():
+                with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "w") as w:
+                    w.write("+memory")
+        os.mkdir(path)
+        with open(os.path.join(path, "memory.max"), "w") as f:
+            f.write(str(limit))
+    except OSError as exc:
+        print(f"constrained regime skipped: cannot make a cgroup v2 with a memory limit ({exc})", flush=True)
+        return None
+    return path
+
+
+def _child(mode: str, args: argparse.Namespace, cgroup: str | None) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, "-m", "bench.optimizer_step", "--child", mode, "--child-out", result_path]
+    cmd += ["--params", str(args.params), "--steps", str(args.steps), "--dir", args.dir, "--device", args.device]
+    cmd += [
+        "--bucket-cap",
+        str(args.bucket_cap),
+        "--chunk-mb",
+        str(args.chunk_mb),
+        "--io-threads",
+        str(args.io_threads),
+    ]
+    if cgroup:
+        # Join the cgroup before the benchmark process starts, so all its memory is charged there.
+        cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *cmd]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"mode": mode, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        with open(result_path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result_path)
+
+
+def _available(mode: str, device: torch.device) -> str | None:
+    """Why ``mode`` cannot run here, or None."""
+    if mode == "megatron-cpu-offload":
+        if device.type != "cuda":
+            return "needs a GPU"
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            return "needs megatron-core"
+    return None
+
+
+def _derive(result: dict, rates: disk.DiskRates | None) -> None:
+    if "bytes_read" not in result or rates is None:
+        return
+    moved = result["bytes_read"] + result["bytes_written"]
+    result["gb_per_s"] = moved / 1e9 / result["step_seconds"]
+    if result["mode"].startswith(("sync", "pipelined")):
+        bound = disk.step_bound(rates, result["bytes_read"], result["bytes_written"])
+        result["disk_bound_seconds"] = bound
+        result["ratio_to_disk_bound"] = result["step_seconds"] / bound
+
+
+def _targets(regimes: dict) -> dict:
+    """The issue's targets as ratios over this run's numbers (None where a mode is missing)."""
+
+    def get(regime, mode, key="step_seconds"):
+        return (regimes.get(regime, {}).get(mode) or {}).get(key)
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    resident_peak = get("roomy", "resident", "device_peak_bytes")
+    streamed_peak = get("constrained", "pipelined-fp32", "device_peak_bytes") or get(
+        "roomy", "pipelined-fp32", "device_peak_bytes"
+    )
+    return {
+        "constrained: pipelined-fp32 step / disk bound (<= 1.1)": get(
+            "constrained", "pipelined-fp32", "ratio_to_disk_bound"
+        ),
+        "constrained: sync-fp32 / pipelined-rem-fp32 (>= 1.2)": ratio(
+            get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-fp32")
+        ),
+        "constrained: sync-bf16 / pipelined-rem-bf16 (>= 1.33)": ratio(
+            get("constrained", "sync-bf16"), get("constrained", "pipelined-rem-bf16")
+        ),
+        "roomy: sync-fp32 (page cache) / host (>= 5)": ratio(get("roomy", "sync-fp32"), get("roomy", "host")),
+        "roomy: megatron-cpu-offload / host (> 1)": ratio(get("roomy", "megatron-cpu-offload"), get("roomy", "host")),
+        "device peak below resident (>= 0.45)": (
+            1 - streamed_peak / resident_peak if resident_peak and streamed_peak else None
+        ),
+    }
+
+
+def _table(regimes: dict) -> str:
+    cols = [
+        ("regime", 11, None),
+        ("mode", 20, None),
+        ("step s", 8, "step_seconds"),
+        ("read GB", 8, "bytes_read"),
+        ("wrote GB", 8, "bytes_written"),
+        ("GB/s", 6, "gb_per_s"),
+        ("bound s", 8, "disk_bound_seconds"),
+        ("x bound", 7, "ratio_to_disk_bound"),
+        ("state GB", 8, "state_residency_bytes"),
+        ("peak GB", 8, "device_peak_bytes"),
+        ("RSS+ MB", 8, "host_rss_step_growth_bytes"),
+        ("cache+ MB", 9, "page_cache_growth_bytes"),
+    ]
+    scale = {"bytes_read": 1e9, "bytes_written": 1e9, "state_residency_bytes": 1e9, "device_peak_bytes": 1e9}
+    scale |= {"host_rss_step_growth_bytes": 1e6, "page_cache_growth_bytes": 1e6}
+    lines = [" ".join(name.rjust(width) for name, width, _ in cols)]
+    for regime, results in regimes.items():
+        for mode, r in results.items():
+            cells = [regime.rjust(11), mode.rjust(20)]
+            if "error" in r or "skipped" in r:
+                cells.append(f"  {r.get('skipped') or r['error']}")
+            else:
+                for _, width, key in cols[2:]:
+                    value = r.get(key)
+                    text = "-" if value is None else f"{value / scale.get(key, 1):.3g}"
+                    cells.append(text.rjust(width))
+            lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=16_000_000, help="model size in params (default 16M)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode, after one warm-up")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the state files go (node-local NVMe)")
+    parser.add_argument("--regimes", default="constrained,roomy")
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the modes")
+    parser.add_argument(
+        "--memory-max-gib", type=float, default=None, help="constrained cgroup limit (default: state/2)"
+    )
+    parser.add_argument(
+        "--bucket-cap",
+        type=int,
+        default=None,
+        help=f"elements per bucket (default: the store's {DEFAULT_BUCKET_CAP_ELEMENTS}, or less to get {MIN_BUCKETS} buckets)",
+    )
+    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_STAGING_CHUNK_MB)
+    parser.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="bench-results/optimizer_step.json")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.params <= 0 or args.steps <= 0:
+        parser.error("--params and --steps must be positive")
+    if args.bucket_cap is None:
+        args.bucket_cap = min(DEFAULT_BUCKET_CAP_ELEMENTS, -(-args.params // MIN_BUCKETS))
+    if args.child:
+        with open(args.child_out, "w") as f:
+            json.dump(run_mode(args.child, args), f)
+        return 0
+
+    regimes = [r for r in args.regimes.split(",") if r]
+    unknown = [r for r in regimes if r not in REGIMES]
+    if unknown:
+        parser.error(f"unknown regime(s) {unknown}; choose from {list(REGIMES)}")
+    wanted = set(args.modes.split(",")) if args.modes else set(MODES)
+    if wanted - set(MODES):
+        parser.error(f"unknown mode(s) {sorted(wanted - set(MODES))}; choose from {list(MODES)}")
+    os.makedirs(args.dir, exist_ok=True)
+    state_bytes = 12 * args.params
+    print(f"{args.params / 1e9:.3g}B params, {state_bytes / 1e9:.3g} GB of fp32 state, on {args.device}", flush=True)
+    print(f"measuring the disk under {args.dir} with direct I/O...", flush=True)
+    rates = disk.measure(args.dir, min(state_bytes, 4 << 30), args.chunk_mb << 20, args.io_threads)
+    print(
+        f"  reads {rates.read / 1e9:.2f} GB/s, writes {rates.write / 1e9:.2f} GB/s; both at once "
+        f"{rates.mixed_read / 1e9:.2f} + {rates.mixed_write / 1e9:.2f} GB/s (direct I/O: {rates.direct})",
+        flush=True,
+    )
+
+    previous = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+    same_size = previous.get("params") == args.params and previous.get("device") == args.device
+    report = {
+        "params": args.params,
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "steps": args.steps,
+        "bucket_cap": args.bucket_cap,
+        "disk": {**(previous.get("disk", {}) if same_size else {}), args.dir: rates.as_dict()},
+        "regimes": dict(previous.get("regimes", {})) if same_size else {},
+    }
+    for regime in regimes:
+        cgroup = None
+        if regime == "constrained":
+            limit = int(args.memory_max_gib * 2**30) if args.memory_max_gib else max(state_bytes // 2, 2 << 30)
+            if limit >= state_bytes:
+                print(f"warning: memory.max {limit / 2**30:.1f} GiB holds the whole state: not constrained")
+            cgroup = _cgroup(limit)
+            if cgroup is None:
+                report["regimes"][regime] = {"*": {"skipped": "no writable cgroup v2 memory controller"}}
+                continue
+            report["memory_max_bytes"] = limit
+        results = {}
+        try:
+            for mode in REGIMES[regime]:
+                if mode not in wanted:
+                    continue
+                why = _available(mode, torch.device(args.device))
+                if why:
+                    results[mode] = {"mode": mode, "skipped": why}
+                    continue
+                print(f"[{regime}] {mode}...", flush=True)
+                results[mode] = _child(mode, args, cgroup)
+                _derive(results[mode], rates)
+        finally:
+            if cgroup:
+                os.rmdir(cgroup)
+        report["regimes"][regime] = results
+    report["targets"] = _targets(report["regimes"])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(_table(report["regimes"]))
+    for name, value in report["targets"].items():
+        print(f"  {name}: {'-' if value is None else f'{value:.3f}'}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
