@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from miles_plugins.optimizers.io import StagingBuffer, pread_full, pwrite_full
+from miles_plugins.optimizers.io import HostMemory, pread_full, pwrite_full
 
 
 @dataclass
@@ -46,10 +46,10 @@ def _open(path: str, direct: bool) -> int:
 
 def _transfer(fd: int, path: str, size: int, chunk: int, threads: int, write: bool) -> float:
     """Move ``size`` bytes of one file in ``chunk`` requests, ``threads`` in flight; returns seconds."""
-    buffers = [StagingBuffer(chunk, pin=False) for _ in range(threads)]
+    buffers = [HostMemory(chunk, pin=False) for _ in range(threads)]
     offsets = iter(range(0, size, chunk))
 
-    def worker(buffer: StagingBuffer) -> None:
+    def worker(buffer: HostMemory) -> None:
         for offset in offsets:  # shared iterator: each request goes to the next free thread
             view = buffer.view[: min(chunk, size - offset)]
             (pwrite_full if write else pread_full)(fd, path, offset, view)

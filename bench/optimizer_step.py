@@ -120,10 +120,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _steps(step, steps: int, device: torch.device) -> tuple[list[float], int]:
-    """One warm-up step, then ``steps`` timed ones; the device peak over the timed ones."""
-    step()
-    _sync(device)
+def _timed_steps(step, steps: int, device: torch.device) -> tuple[list[float], int]:
+    """Seconds of each of ``steps`` steps, and the device peak over them."""
     seconds, peak = [], 0
     for _ in range(steps):
         if device.type == "cuda":
@@ -217,17 +215,21 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         )
 
     rss_setup = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM restarts from here: the peak of the steps alone
-    cache_steps = _page_cache_bytes()
     with torch.no_grad():
-        seconds, peak = _steps(step, args.steps, device)
+        step()  # the warm-up step: creates the moments (and loads the kernels)
+        _sync(device)
+        rss_warm = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM restarts from here: the peak of the timed steps alone
+        cache_steps = _page_cache_bytes()
+        seconds, peak = _timed_steps(step, args.steps, device)
     out.update(
         step_seconds=statistics.median(seconds),
         step_seconds_all=seconds,
         device_peak_bytes=peak or None,
         host_rss_setup_bytes=rss_setup - rss_before,
-        host_rss_step_growth_bytes=_status("VmHWM") - rss_setup,
+        host_rss_warmup_bytes=rss_warm - rss_setup,
+        host_rss_step_growth_bytes=_status("VmHWM") - rss_warm,
         page_cache_growth_bytes=_page_cache_bytes() - cache_steps,
         page_cache_growth_since_start_bytes=_page_cache_bytes() - cache_before,
     )
@@ -383,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regimes", default="constrained,roomy")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the modes")
     parser.add_argument(
-        "--memory-max-gib", type=float, default=None, help="constrained cgroup limit (default: state/2)"
+        "--memory-max-gib",
+        type=float,
+        default=None,
+        help="constrained cgroup limit (default: a quarter of the state, at least 2 GiB)",
     )
     parser.add_argument(
         "--bucket-cap",
@@ -442,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     for regime in regimes:
         cgroup = None
         if regime == "constrained":
-            limit = int(args.memory_max_gib * 2**30) if args.memory_max_gib else max(state_bytes // 2, 2 << 30)
+            limit = int(args.memory_max_gib * 2**30) if args.memory_max_gib else max(state_bytes // 4, 2 << 30)
             if limit >= state_bytes:
                 print(f"warning: memory.max {limit / 2**30:.1f} GiB holds the whole state: not constrained")
             cgroup = _cgroup(limit)

@@ -20,7 +20,6 @@ host tier adds the state itself, which is its point).
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import errno
 import logging
 import mmap
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout, align_up
+from miles_plugins.optimizers.layout import BucketLayout, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -52,23 +51,40 @@ class StreamIOError(OSError):
         return self.strerror
 
 
-class StagingBuffer:
-    """A fixed-size host buffer whose start is ``ALIGNMENT``-aligned (direct I/O
-    needs it): pinned when ``pin`` (host<->device copies then run as DMA)."""
+class HostMemory:
+    """``nbytes`` of host memory, exactly that size and page-aligned (direct I/O
+    needs the alignment): an anonymous private mapping, page-locked when ``pin``
+    so host<->device copies run as DMA. The pinning is ``cudaHostRegister`` on
+    the mapping, not torch's pinned allocator, which rounds every size up to a
+    power of two (up to twice the host memory asked for). ``release()`` unpins."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
-        raw_bytes = nbytes + ALIGNMENT
-        if pin:
-            raw = torch.empty(raw_bytes, dtype=torch.uint8, pin_memory=True)
-        else:
-            # Private: a shared anonymous mapping would be shmem, counted as page cache.
-            self._mapping = mmap.mmap(-1, raw_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        skip = -raw.data_ptr() % ALIGNMENT
-        self.tensor = raw[skip : skip + nbytes]
-        # A memoryview over the same bytes, for os.preadv / os.pwritev.
-        self.view = memoryview((ctypes.c_ubyte * nbytes).from_address(self.tensor.data_ptr())).cast("B")
+        # Private: a shared anonymous mapping would be shmem, counted as page cache.
+        self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)[:nbytes]
+        self.view = memoryview(self._mapping)[:nbytes]  # for os.preadv / os.pwritev
+        self._pinned = False
+        if pin and nbytes:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+            if err:
+                raise StreamIOError(
+                    f"cannot page-lock {nbytes} bytes of host memory (cudaHostRegister error {err}); "
+                    "raise the locked-memory limit (ulimit -l) or give the process more memory",
+                    "<host memory>",
+                    0,
+                    errno.ENOMEM,
+                )
+            self._pinned = True
+
+    def release(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._pinned = False
+
+
+# cudaHostRegisterPortable: pinned for every CUDA context, as torch's pinned memory is.
+_HOST_REGISTER_PORTABLE = 1
 
 
 def _open(path: str, flags: int, mode: int = 0o600) -> int:
@@ -88,14 +104,14 @@ class FileHandle:
         self.direct = direct
         self.fd = _open(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
 
-    def read(self, offset: int, dst: torch.Tensor, staging: StagingBuffer) -> None:
+    def read(self, offset: int, dst: torch.Tensor, staging: HostMemory) -> None:
         n = dst.numel()
         pread_full(self.fd, self.path, offset, staging.view[: self._span(n)])
         # A plain (non_blocking=False) copy returns once the bytes are on the device,
         # so the staging chunk is free for the next request when this returns.
         dst.copy_(staging.tensor[:n])
 
-    def write(self, offset: int, src: torch.Tensor, staging: StagingBuffer) -> None:
+    def write(self, offset: int, src: torch.Tensor, staging: HostMemory) -> None:
         n = src.numel()
         span = self._span(n)
         # Synchronous copy: the bytes are in staging before pwritev reads them.
@@ -143,7 +159,7 @@ class FileBacking:
     def open(self, bucket: BucketLayout) -> FileHandle:
         return FileHandle(self.path(bucket), self.direct)
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: StagingBuffer) -> int:
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
         """Copy the bucket's bytes into an open file; returns their CRC-32."""
         handle = self.open(bucket)
         try:
@@ -151,7 +167,7 @@ class FileBacking:
         finally:
             handle.close()
 
-    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: StagingBuffer) -> int:
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
         """Copy the bucket's bytes from an open file; returns their CRC-32."""
         handle = self.open(bucket)
         try:
@@ -183,10 +199,10 @@ class HostHandle:
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
 
-    def read(self, offset: int, dst: torch.Tensor, staging: StagingBuffer | None) -> None:
+    def read(self, offset: int, dst: torch.Tensor, staging: HostMemory | None) -> None:
         dst.copy_(self.buffer[offset : offset + dst.numel()])
 
-    def write(self, offset: int, src: torch.Tensor, staging: StagingBuffer | None) -> None:
+    def write(self, offset: int, src: torch.Tensor, staging: HostMemory | None) -> None:
         self.buffer[offset : offset + src.numel()].copy_(src)
 
     def close(self) -> None:
@@ -200,35 +216,37 @@ class HostBacking:
     kind = "host"
 
     def __init__(self, buckets: Sequence[BucketLayout], pin: bool) -> None:
-        self.buffers = {}
-        for bucket in buckets:
-            try:
-                self.buffers[bucket.index] = torch.zeros(bucket.file_size, dtype=torch.uint8, pin_memory=pin)
-            except RuntimeError as exc:
-                raise StreamIOError(
-                    f"cannot allocate {bucket.file_size} bytes of {'pinned ' if pin else ''}host memory for "
-                    f"bucket {bucket.index}: {exc}; use the disk tier or give the process more memory",
-                    f"<host bucket {bucket.index}>",
-                    0,
-                    errno.ENOMEM,
-                ) from exc
+        self.buffers: dict[int, HostMemory] = {}
+        try:
+            for bucket in buckets:
+                self.buffers[bucket.index] = HostMemory(bucket.file_size, pin)
+        except (OSError, RuntimeError) as exc:
+            self.release()
+            raise StreamIOError(
+                f"cannot hold bucket {bucket.index} ({bucket.file_size} bytes) in host memory: {exc}; "
+                "use the disk tier or give the process more memory",
+                f"<host bucket {bucket.index}>",
+                0,
+                errno.ENOMEM,
+            ) from exc
 
     def open(self, bucket: BucketLayout) -> HostHandle:
-        return HostHandle(self.buffers[bucket.index])
+        return HostHandle(self.buffers[bucket.index].tensor)
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: StagingBuffer) -> int:
-        data = _memoryview(self.buffers[bucket.index])
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
+        data = self.buffers[bucket.index].view
         pwrite_full(dst_fd, dst_path, 0, data)
         return zlib.crc32(data)
 
-    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: StagingBuffer) -> int:
-        data = _memoryview(self.buffers[bucket.index])
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
+        data = self.buffers[bucket.index].view
         pread_full(src_fd, src_path, 0, data)
         return zlib.crc32(data)
 
-
-def _memoryview(t: torch.Tensor) -> memoryview:
-    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
+    def release(self) -> None:
+        for memory in self.buffers.values():
+            memory.release()
+        self.buffers.clear()
 
 
 # ---- engines ---------------------------------------------------------------
@@ -268,7 +286,7 @@ class SyncEngine:
     through one staging buffer."""
 
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
-        self.staging = StagingBuffer(chunk_bytes, pin)
+        self.staging = HostMemory(chunk_bytes, pin)
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         for offset, dst in _chunks(transfers, self.staging.nbytes):
@@ -280,11 +298,11 @@ class SyncEngine:
             handle.write(offset, src, self.staging)
         return Ticket()
 
-    def idle_buffer(self) -> StagingBuffer:
+    def idle_buffer(self) -> HostMemory:
         return self.staging
 
     def close(self) -> None:
-        pass
+        self.staging.release()
 
 
 class PipelinedEngine:
@@ -306,7 +324,7 @@ class PipelinedEngine:
 
     def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device) -> None:
         self.chunk_bytes = chunk_bytes
-        self._stagings = [StagingBuffer(chunk_bytes, pin) for _ in range(2 * threads)]
+        self._stagings = [HostMemory(chunk_bytes, pin) for _ in range(2 * threads)]
         self._device = device
         self._local = threading.local()
         pool = iter(self._stagings)
@@ -340,13 +358,15 @@ class PipelinedEngine:
         chunks = _chunks(transfers, self.chunk_bytes)
         return Ticket([self._writers.submit(self._run, handle.write, o, t, ready) for o, t in chunks])
 
-    def idle_buffer(self) -> StagingBuffer:
+    def idle_buffer(self) -> HostMemory:
         """A staging chunk the caller may use while no transfer is in flight."""
         return self._stagings[0]
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+        for staging in self._stagings:
+            staging.release()
 
 
 def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:

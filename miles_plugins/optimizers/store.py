@@ -259,7 +259,7 @@ class StreamingStore:
         self.scratch = (
             ScratchDir(config.directory, config.name, self.file_bytes_total) if config.tier == "disk" else None
         )
-        self._engine = None
+        self._engine = self._backing = None
         try:
             if self.scratch is not None:
                 self._backing = FileBacking(
@@ -395,6 +395,8 @@ class StreamingStore:
         self._closed = True
         if self._engine is not None:
             self._engine.close()
+        if isinstance(self._backing, HostBacking):
+            self._backing.release()
         self._backing = None
         if self.scratch is not None:
             self.scratch.remove()

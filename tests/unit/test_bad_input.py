@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.io import FileHandle, StagingBuffer
+from miles_plugins.optimizers.io import FileHandle, HostMemory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -132,7 +132,7 @@ def test_write_error_names_file_and_offset(tmp_path):
     handle.fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
     try:
         with pytest.raises(StreamIOError, match=r"write of .*f.bin failed at offset 4096") as info:
-            handle.write(4096, torch.ones(100, dtype=torch.uint8), StagingBuffer(4096, pin=False))
+            handle.write(4096, torch.ones(100, dtype=torch.uint8), HostMemory(4096, pin=False))
         assert info.value.offset == 4096
     finally:
         handle.close()
