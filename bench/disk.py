@@ -76,7 +76,10 @@ def measure(directory: str, size: int, chunk: int, threads: int) -> DiskRates:
             fds = [_open(p, False) for p in paths]
         for fd in fds:
             os.posix_fallocate(fd, 0, size)
-        _transfer(fds[0], paths[0], size, chunk, threads, write=True)  # content, and a warm-up
+        # Write both files once first: the state files are overwritten in place every
+        # step, and a first write into fallocated (unwritten) extents is slower.
+        for fd, path in zip(fds, paths, strict=True):
+            _transfer(fd, path, size, chunk, threads, write=True)
         write = size / _transfer(fds[1], paths[1], size, chunk, threads, write=True)
         read = size / _transfer(fds[0], paths[0], size, chunk, threads, write=False)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:

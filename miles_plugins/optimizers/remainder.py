@@ -15,10 +15,15 @@ not a bit increment (NaN). Those elements are *exceptions*: their index and
 true ``hi`` are kept on the side, so the pair (low bits, exceptions) rebuilds
 every main exactly, whatever its value. 2 bytes per main instead of 4.
 
-The contract: between :func:`encode` and :func:`decode` the bf16 param must not
-change. Megatron and the torch front end guarantee it: params change only in
-the step (which re-encodes) and in ``reload_model_params`` / checkpoint loads
-(which re-encode or restore the low bits saved with the same params).
+Both directions work inside the main's own storage, chunk by chunk (see
+``convert.py`` for why the directions are safe): the low bits occupy the first
+half of the fp32 main's bytes.
+
+The contract: between :func:`encode_in_place` and :func:`decode_in_place` the
+bf16 param must not change. Megatron and the torch front end guarantee it:
+params change only in the step (which re-encodes) and in
+``reload_model_params`` / checkpoint loads (which re-encode, or restore the
+low bits saved with the same params).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_plugins.optimizers.convert import chunks, stored_view
+
 STORAGE_DTYPE = torch.int16  # the low 16 bits, as stored
 _TIE = -0x8000  # 0x8000 read as int16
 
@@ -34,7 +41,7 @@ _TIE = -0x8000  # 0x8000 read as int16
 @dataclass
 class Exceptions:
     """Elements whose high bits the rounding rule gets wrong: flat indices into
-    the main and their true high 16 bits. Kept on the CPU (they are few)."""
+    the main (ascending) and their true high 16 bits. Kept on the CPU (they are few)."""
 
     index: torch.Tensor  # int64
     high: torch.Tensor  # int16
@@ -57,34 +64,40 @@ def _halves(main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _guess_high(low: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The high bits the rounding rule implies, from the stored low bits and the param."""
     rounded_up = (low < 0) & (low != _TIE)  # lo > 0x8000 unsigned
-    return param.view(-1).view(STORAGE_DTYPE) - rounded_up.to(STORAGE_DTYPE)
-
-
-def check_param(param: torch.Tensor) -> None:
-    if param.dtype != torch.bfloat16:
-        raise ValueError(f"remainder mains need bf16 params (the main's high half), got {param.dtype}")
+    return param.view(STORAGE_DTYPE) - rounded_up.to(STORAGE_DTYPE)
 
 
 @torch.no_grad()
-def encode(main: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor) -> Exceptions:
-    """Store ``main``'s low 16 bits into ``low_out`` (int16, same numel); return
-    the exceptions :func:`decode` needs beside ``param`` to rebuild it exactly."""
-    low, high = _halves(main)
-    low_out.view(-1).copy_(low)
-    wrong = high != _guess_high(low, param)
-    index = wrong.nonzero().view(-1)
-    if index.numel() == 0:
+def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
+    """Rewrite the fp32 ``main`` as its low 16 bits, in the first half of its bytes
+    (front to back); return what :func:`decode_in_place` needs beside ``param``.
+    ``main``'s fp32 values are gone afterwards."""
+    flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
+    indices, highs = [], []
+    for s, e in chunks(main.numel()):
+        low, high = (h.clone() for h in _halves(flat[s:e]))  # read the chunk before writing over it
+        index = (high != _guess_high(low, param[s:e])).nonzero().view(-1)
+        if index.numel():
+            indices.append(index.cpu() + s)
+            highs.append(high[index].cpu())
+        out[s:e].copy_(low)
+    if not indices:
         return Exceptions.none()
-    return Exceptions(index.cpu(), high[index].cpu())
+    return Exceptions(torch.cat(indices), torch.cat(highs))
 
 
 @torch.no_grad()
-def decode(low: torch.Tensor, param: torch.Tensor, exceptions: Exceptions, main_out: torch.Tensor) -> None:
-    """Rebuild the fp32 main into ``main_out`` from its stored low bits, the
-    unchanged bf16 param and the exceptions :func:`encode` returned."""
-    low = low.view(-1)
-    out_low, out_high = _halves(main_out)
-    out_low.copy_(low)
-    out_high.copy_(_guess_high(low, param))
-    if len(exceptions):
-        out_high[exceptions.index.to(main_out.device)] = exceptions.high.to(main_out.device)
+def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Exceptions) -> None:
+    """``main`` holds its low 16 bits in the first half of its bytes (as
+    :func:`encode_in_place` left them); rebuild the fp32 main (back to front)
+    from them, the unchanged bf16 ``param`` and the exceptions."""
+    flat, param, stored = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
+    for s, e in chunks(main.numel(), backwards=True):
+        low = stored[s:e].clone()  # read the chunk before writing over it
+        high = _guess_high(low, param[s:e])
+        first, last = torch.searchsorted(exceptions.index, torch.tensor([s, e])).tolist()
+        if last > first:
+            high[(exceptions.index[first:last] - s).to(main.device)] = exceptions.high[first:last].to(main.device)
+        out_low, out_high = _halves(flat[s:e])
+        out_low.copy_(low)
+        out_high.copy_(high)

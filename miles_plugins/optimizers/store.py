@@ -34,6 +34,7 @@ from megatron_hooks.contract import OptimizerStateStore
 from miles_plugins.optimizers import remainder
 from miles_plugins.optimizers.adam import AdamBackend, BucketOptimizer
 from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
+from miles_plugins.optimizers.convert import narrow_in_place, stored_view, widen_in_place
 from miles_plugins.optimizers.io import (
     FileBacking,
     HostBacking,
@@ -115,8 +116,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Residency:
-    """Measures the optimizer-state bytes materialized on the device at once
-    (mains, moments, and the storage-format temporaries they convert through)."""
+    """Measures the optimizer-state bytes materialized on the device at once.
+    (Storage-format conversions run inside these tensors, with one small chunk
+    of scratch: ``convert.CHUNK_ELEMENTS``.)"""
 
     current: int = 0
     peak: int = 0
@@ -132,11 +134,6 @@ class _Residency:
         self.current += t.untyped_storage().nbytes()
         self.peak = max(self.peak, self.current)
 
-    def temporary(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(like.shape, dtype=dtype, device=like.device)
-        self.adopt(t)
-        return t
-
     def release(self, t: torch.Tensor) -> None:
         self.current -= t.untyped_storage().nbytes()
         t.untyped_storage().resize_(0)
@@ -146,9 +143,8 @@ class _Residency:
 class _Flight:
     """One bucket between its fetch and its retirement.
 
-    ``converts`` are reads that land in a storage-format temporary and become
-    the fp32 tensor after the read (widened moments, decoded remainder mains);
-    ``temporaries`` are tensors a pending write still reads.
+    ``converts`` are tensors a read fills in their stored format (the first
+    bytes of their own storage), to be widened or decoded once it is done.
     """
 
     bucket: BucketLayout
@@ -157,8 +153,7 @@ class _Flight:
     handle: object
     reads: Ticket | None = None
     writes: Ticket | None = None
-    converts: list[tuple[str, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    temporaries: list[torch.Tensor] = field(default_factory=list)
+    converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
 
 
 class StreamingStore:
@@ -685,8 +680,8 @@ class StreamingStore:
 
     def _start_fetch(self, bucket: BucketLayout, optimizer: BucketOptimizer, stats: StepStats) -> _Flight:
         """Materialize the bucket's mains and moments and submit their reads. A
-        stored format other than fp32 lands in a temporary, converted by
-        :meth:`_finish_fetch`."""
+        stored format other than fp32 lands in the first bytes of the tensor's
+        own storage, converted in place by :meth:`_finish_fetch`."""
         flight = _Flight(bucket, optimizer, [self.entries[i] for i in bucket.entry_indices], None)
         transfers: list[Transfer] = []
         try:
@@ -695,11 +690,9 @@ class StreamingStore:
                 for name, tensor in self._tensors(flight, k):
                     segment = bucket.segments[name]
                     self._residency.materialize(tensor)
-                    target = tensor
                     if segment.dtype != tensor.dtype:
-                        target = self._residency.temporary(tensor, segment.dtype)
-                        flight.converts.append((name, k, target, tensor))
-                    transfers.append((segment.entry_offsets[k], _bytes_of(target)))
+                        flight.converts.append((name, k, tensor))
+                    transfers.append((segment.entry_offsets[k], _bytes_of(stored_view(tensor, segment.dtype))))
                     stats.bytes_read += segment.entry_nbytes[k]
             flight.reads = self._engine.read(flight.handle, transfers, self._ready_event())
         except BaseException:
@@ -710,13 +703,12 @@ class StreamingStore:
     def _finish_fetch(self, flight: _Flight) -> None:
         flight.reads.wait()
         flight.reads = None
-        for name, k, stored, tensor in flight.converts:
+        for name, k, tensor in flight.converts:
             if name == "main":
                 exceptions = self._exceptions[flight.bucket.index][k]
-                remainder.decode(stored, flight.entries[k].param, exceptions, tensor)
+                remainder.decode_in_place(tensor, flight.entries[k].param, exceptions)
             else:
-                tensor.copy_(stored)  # widen the stored moment format on the device
-            self._residency.release(stored)
+                widen_in_place(tensor, flight.bucket.segments[name].dtype)
         flight.converts.clear()
 
     def _compute(self, flight: _Flight) -> None:
@@ -734,23 +726,19 @@ class StreamingStore:
 
     def _start_store(self, flight: _Flight, stats: StepStats, moments: bool = True) -> None:
         """Submit the writes of the bucket's mains (and moments). Narrowing to the
-        stored format happens on the device, before the host copy: a same-dtype
-        device->host copy is far faster than a converting one."""
+        stored format happens on the device, in place, before the host copy: a
+        same-dtype device->host copy is far faster than a converting one. The
+        fp32 values are gone afterwards; the bucket is released at retirement."""
         bucket = flight.bucket
         transfers: list[Transfer] = []
         for k, entry in enumerate(flight.entries):
             for name, tensor in self._tensors(flight, k) if moments else [("main", entry.main)]:
                 segment = bucket.segments[name]
-                source = tensor
                 if name == "main" and segment.dtype == remainder.STORAGE_DTYPE:
-                    source = self._residency.temporary(tensor, segment.dtype)
-                    self._exceptions[bucket.index][k] = remainder.encode(tensor, entry.param, source)
+                    self._exceptions[bucket.index][k] = remainder.encode_in_place(tensor, entry.param)
                 elif segment.dtype != tensor.dtype:
-                    source = self._residency.temporary(tensor, segment.dtype)
-                    source.copy_(tensor)
-                if source is not tensor:
-                    flight.temporaries.append(source)
-                transfers.append((segment.entry_offsets[k], _bytes_of(source)))
+                    narrow_in_place(tensor, segment.dtype)
+                transfers.append((segment.entry_offsets[k], _bytes_of(stored_view(tensor, segment.dtype))))
                 stats.bytes_written += segment.entry_nbytes[k]
         # The writer threads copy on their own streams, after the update, the
         # narrowing and the encoding queued on this one.
@@ -776,12 +764,7 @@ class StreamingStore:
             self._residency.release(entry.main)
             for moment in flight.optimizer.moments(entry.main) or ():
                 self._residency.release(moment)
-        for _, _, stored, _ in flight.converts:
-            self._residency.release(stored)
-        for t in flight.temporaries:
-            self._residency.release(t)
         flight.converts.clear()
-        flight.temporaries.clear()
         if flight.handle is not None:
             flight.handle.close()
             flight.handle = None

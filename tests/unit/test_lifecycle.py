@@ -68,10 +68,16 @@ def test_first_step_reads_only_mains_and_creates_moments(tmp_path):
     streamed.close()
 
 
-@pytest.mark.parametrize("engine", ["pipelined", "sync"])
-def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine):
+@pytest.mark.parametrize(
+    "engine, moment_dtype, main_storage",
+    [("pipelined", "fp32", "fp32"), ("sync", "fp32", "fp32"), ("pipelined", "bf16", "remainder")],
+)
+def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine, moment_dtype, main_storage):
+    """Narrow storage formats convert inside the fp32 tensors: no temporaries beside them."""
     model = _model()
-    optimizer, streamed = _streamed(tmp_path, model, engine=engine)
+    optimizer, streamed = _streamed(
+        tmp_path, model, engine=engine, moment_dtype=moment_dtype, main_storage=main_storage
+    )
     for step in range(3):
         _backward(model, step)
         optimizer.step()

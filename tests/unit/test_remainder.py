@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer
-from miles_plugins.optimizers.remainder import decode, encode
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, convert
+from miles_plugins.optimizers.remainder import decode_in_place, encode_in_place
 
 
 def _bits(values: list[int]) -> torch.Tensor:
@@ -13,10 +13,12 @@ def _bits(values: list[int]) -> torch.Tensor:
 
 def _round_trip(main: torch.Tensor) -> tuple[torch.Tensor, int]:
     param = main.to(torch.bfloat16)  # what the step writes into the model param
-    low = torch.empty(main.numel(), dtype=torch.int16)
-    exceptions = encode(main, param, low)
-    rebuilt = torch.full_like(main, 12345.0)
-    decode(low, param, exceptions, rebuilt)
+    work = main.clone()
+    exceptions = encode_in_place(work, param)
+    stored = convert.stored_view(work, torch.int16).clone()
+    rebuilt = torch.full_like(main, 12345.0)  # fresh storage: only the stored bits carry over
+    convert.stored_view(rebuilt, torch.int16).copy_(stored)
+    decode_in_place(rebuilt, param, exceptions)
     return rebuilt, len(exceptions)
 
 
@@ -51,12 +53,35 @@ def test_a_rebuilt_main_differs_when_the_exceptions_are_dropped():
     """The control: ties really need the exceptions (the test can fail)."""
     main = _bits([0x3F818000, 0x3F838000])
     param = main.to(torch.bfloat16)
-    low = torch.empty(2, dtype=torch.int16)
-    exceptions = encode(main, param, low)
+    work = main.clone()
+    exceptions = encode_in_place(work, param)
     assert len(exceptions) == 2
-    rebuilt = torch.empty_like(main)
-    decode(low, param, type(exceptions).none(), rebuilt)
-    assert not torch.equal(rebuilt.view(torch.int32), main.view(torch.int32))
+    decode_in_place(work, param, type(exceptions).none())
+    assert not torch.equal(work.view(torch.int32), main.view(torch.int32))
+
+
+def test_chunked_round_trip_crosses_chunk_boundaries(monkeypatch):
+    """In-place conversions walk chunks in opposite directions; with tiny chunks
+    every chunk overlaps its neighbours' bytes, and exceptions sit in several chunks."""
+    monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 7)
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1000,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[::37] = (bits[::37] & ~0xFFFF) | 0x8000  # ties spread over many chunks
+    rebuilt, exceptions = _round_trip(bits.view(torch.float32))
+    assert exceptions > 5
+    assert torch.equal(rebuilt.view(torch.int32), bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_narrow_then_widen_in_place_equals_a_plain_cast(monkeypatch, dtype):
+    monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 5)
+    values = torch.randn(333, generator=torch.Generator().manual_seed(2))
+    expected = values.to(dtype).float()
+    work = values.clone()
+    stored = convert.narrow_in_place(work, dtype)
+    assert torch.equal(stored.float(), expected)
+    convert.widen_in_place(work, dtype)
+    assert torch.equal(work, expected)
 
 
 def test_remainder_files_hold_two_bytes_per_main(tmp_path):
