@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench
+.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint
 
 venv: $(VENV)/.installed
 
@@ -51,8 +51,13 @@ drift: venv
 matrix: venv
 	$(PY) -m ci.matrix $(foreach r,$(MEGATRON_REPOS),--megatron-repo $(r)) --json matrix-results.json
 
-# Benchmarks write JSON under bench-results/ and print a table.
+# Benchmarks write JSON under bench-results/ and print a table. `make bench` times the
+# optimizer step in every mode (bench/optimizer_step.py); on the GPU machine run it with
+# the machine's own python (see the README's Performance section).
 bench: venv
+	$(PY) -m bench.optimizer_step $(BENCH_ARGS)
+
+bench-checkpoint: venv
 	$(PY) -m bench.checkpoint_save $(BENCH_ARGS)
 
 lint: venv

@@ -441,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "steps": args.steps,
         "bucket_cap": args.bucket_cap,
+        "memory_max_bytes": previous.get("memory_max_bytes") if same_size else None,
         "regimes": dict(previous.get("regimes", {})) if same_size else {},
         # Per regime: the disk bound measured by the run that measured the regime.
         "disk": dict(previous.get("disk", {})) if same_size else {},
