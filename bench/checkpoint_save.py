@@ -54,7 +54,7 @@ def main() -> None:
             for p in params:
                 p.grad = torch.randn_like(p)
             streamed.step()
-            files = [streamed.store.scratch.file(b.file_name) for b in streamed.store.buckets]
+            files = [streamed.store._backing.path(b) for b in streamed.store.buckets]
             nbytes = sum(os.path.getsize(f) for f in files)
             rows = []
             for i in range(args.repeats):

@@ -50,6 +50,11 @@ DEFAULT_BUCKETS_IN_FLIGHT = 3
 # a drive that serves both at once gets both). Each thread owns one staging chunk.
 DEFAULT_IO_THREADS = 4
 
+# A request that takes longer than this is taken for a hung drive: the step fails
+# with an error instead of hanging forever. A 16 MiB request normally takes
+# milliseconds; a drive stalled for 5 minutes is not coming back in time.
+DEFAULT_IO_TIMEOUT_S = 300.0
+
 # Size of one transfer request and of each staging chunk. Host memory for streaming
 # is bounded by the staging chunks: (2 x io_threads) chunks pipelined, one for sync.
 DEFAULT_STAGING_CHUNK_MB = 16
@@ -92,6 +97,8 @@ class StreamConfig:
             filesystem refuses it).
         main_storage: ``"fp32"`` or ``"remainder"`` (bf16 params only: 2 bytes
             per main instead of 4, still bit-exact).
+        io_timeout_s: pipelined engine: the longest a bucket's transfers may
+            take before the step fails (a hung drive).
         allow_fresh_state: when a checkpoint being loaded holds no streamed
             state, start the optimizer fresh instead of refusing.
         resident_warn_elements: warn when fp32-native params (kept resident)
@@ -113,6 +120,7 @@ class StreamConfig:
     io_threads: int = DEFAULT_IO_THREADS
     direct_io: bool = True
     main_storage: str = "fp32"
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.tier == "disk" and (not isinstance(self.directory, str) or not self.directory):
@@ -146,6 +154,12 @@ class StreamConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise StreamConfigError(f"{field.replace('_', ' ')} must be a positive integer, got {value!r}")
+        if (
+            isinstance(self.io_timeout_s, bool)
+            or not isinstance(self.io_timeout_s, (int, float))
+            or self.io_timeout_s <= 0
+        ):
+            raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
         if self.moment_dtype in UNSAFE_MOMENT_DTYPES:

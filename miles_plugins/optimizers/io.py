@@ -95,18 +95,25 @@ def _open(path: str, flags: int, mode: int = 0o600) -> int:
 
 
 class FileHandle:
-    """One open bucket file. ``read`` / ``write`` move one chunk (at most the
-    staging buffer) at an aligned offset; with direct I/O the transfer is
-    rounded up to the alignment, which the layout reserves as padding."""
+    """A bucket's files opened for one pass: ``read`` from ``read_path``, ``write``
+    to ``write_path`` (the same file, or the other slot). Each call moves one
+    chunk (at most the staging buffer) at an aligned offset; with direct I/O the
+    transfer is rounded up to the alignment, which the layout reserves as padding."""
 
-    def __init__(self, path: str, direct: bool) -> None:
-        self.path = path
+    def __init__(self, read_path: str, write_path: str, direct: bool) -> None:
+        self.read_path, self.write_path = read_path, write_path
         self.direct = direct
-        self.fd = _open(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
+        self.read_fd = _open(read_path, flags)
+        try:
+            self.write_fd = self.read_fd if write_path == read_path else _open(write_path, flags)
+        except BaseException:
+            os.close(self.read_fd)
+            raise
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory) -> None:
         n = dst.numel()
-        pread_full(self.fd, self.path, offset, staging.view[: self._span(n)])
+        pread_full(self.read_fd, self.read_path, offset, staging.view[: self._span(n)])
         # A plain (non_blocking=False) copy returns once the bytes are on the device,
         # so the staging chunk is free for the next request when this returns.
         dst.copy_(staging.tensor[:n])
@@ -117,61 +124,86 @@ class FileHandle:
         # Synchronous copy: the bytes are in staging before pwritev reads them.
         staging.tensor[:n].copy_(src)
         staging.tensor[n:span].zero_()  # the alignment padding, kept deterministic
-        pwrite_full(self.fd, self.path, offset, staging.view[:span])
+        pwrite_full(self.write_fd, self.write_path, offset, staging.view[:span])
 
     def _span(self, n: int) -> int:
         return align_up(n) if self.direct else n
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.write_fd != self.read_fd:
+            os.close(self.write_fd)
+        os.close(self.read_fd)
 
 
 class FileBacking:
-    """The state in one file per bucket, under ``directory``.
+    """The state in files under ``directory``: two *slots* per bucket.
+
+    A step reads every bucket from the committed slot and writes it to the
+    other one; :meth:`commit` flips them once the whole step is written. Until
+    then the committed slot holds the complete state before the step, so a step
+    that fails part way (a write error, a full disk, a hung drive) loses
+    nothing before it. That costs twice the state in disk space.
 
     Creates every file (new, private, never through a symlink) at its full size
     so a full disk fails here, not mid-step. With ``direct`` the files are
     opened ``O_DIRECT`` (no page cache: it would fill host RAM with state that
-    is read once per step); where the filesystem refuses that (tmpfs), buffered
-    I/O is used and a log line says so.
+    is read once per step); where the filesystem refuses that, buffered I/O is
+    used and a log line says so.
     """
 
     kind = "disk"
+    keeps_previous_state = True
+    SLOTS = 2
 
     def __init__(self, directory: str, buckets: Sequence[BucketLayout], direct: bool) -> None:
         self.directory = directory
+        self.committed = 0
         for bucket in buckets:
-            path = self.path(bucket)
-            fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            try:
-                os.posix_fallocate(fd, 0, bucket.file_size)
-            except OSError as exc:
-                raise StreamIOError(
-                    f"cannot reserve {bucket.file_size} bytes for {path}: {exc.strerror}", path, 0, exc.errno
-                ) from exc
-            finally:
-                os.close(fd)
-        self.direct = direct and bool(buckets) and _direct_io_works(self.path(buckets[0]))
+            for slot in range(self.SLOTS):
+                path = self.path(bucket, slot)
+                fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                try:
+                    os.posix_fallocate(fd, 0, bucket.file_size)
+                except OSError as exc:
+                    raise StreamIOError(
+                        f"cannot reserve {bucket.file_size} bytes for {path}: {exc.strerror}", path, 0, exc.errno
+                    ) from exc
+                finally:
+                    os.close(fd)
+        self.direct = direct and bool(buckets) and _direct_io_works(self.path(buckets[0], 0))
 
-    def path(self, bucket: BucketLayout) -> str:
-        return os.path.join(self.directory, bucket.file_name)
+    @classmethod
+    def bytes_needed(cls, buckets: Sequence[BucketLayout]) -> int:
+        return cls.SLOTS * sum(b.file_size for b in buckets)
 
-    def open(self, bucket: BucketLayout) -> FileHandle:
-        return FileHandle(self.path(bucket), self.direct)
+    def path(self, bucket: BucketLayout, slot: int | None = None) -> str:
+        """The file of ``slot`` (default: the committed one)."""
+        slot = self.committed if slot is None else slot
+        return os.path.join(self.directory, f"{bucket.file_name.removesuffix('.bin')}.slot{slot}.bin")
+
+    def open(self, bucket: BucketLayout, in_place: bool = False) -> FileHandle:
+        """Reads come from the committed slot; writes go to the other slot, or to
+        the committed one ``in_place`` (rewriting mains outside a step)."""
+        write_slot = self.committed if in_place else 1 - self.committed
+        return FileHandle(self.path(bucket), self.path(bucket, write_slot), self.direct)
+
+    def commit(self) -> None:
+        """The slot a step wrote becomes the state."""
+        self.committed = 1 - self.committed
 
     def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
-        """Copy the bucket's bytes into an open file; returns their CRC-32."""
-        handle = self.open(bucket)
+        """Copy the bucket's committed bytes into an open file; returns their CRC-32."""
+        handle = self.open(bucket, in_place=True)
         try:
-            return copy_file_crc32(handle.fd, handle.path, dst_fd, dst_path, bucket.file_size, buffer.view)
+            return copy_file_crc32(handle.read_fd, handle.read_path, dst_fd, dst_path, bucket.file_size, buffer.view)
         finally:
             handle.close()
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
-        """Copy the bucket's bytes from an open file; returns their CRC-32."""
-        handle = self.open(bucket)
+        """Copy the bucket's bytes from an open file into the committed slot; returns their CRC-32."""
+        handle = self.open(bucket, in_place=True)
         try:
-            return copy_file_crc32(src_fd, src_path, handle.fd, handle.path, bucket.file_size, buffer.view)
+            return copy_file_crc32(src_fd, src_path, handle.write_fd, handle.write_path, bucket.file_size, buffer.view)
         finally:
             handle.close()
 
@@ -196,8 +228,9 @@ def _direct_io_works(path: str) -> bool:
 class HostHandle:
     """One bucket's host buffer; chunks copy straight between it and the device."""
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, name: str) -> None:
         self.buffer = buffer
+        self.read_path = self.write_path = name
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory | None) -> None:
         dst.copy_(self.buffer[offset : offset + dst.numel()])
@@ -211,9 +244,11 @@ class HostHandle:
 
 class HostBacking:
     """The state in one host buffer per bucket, pinned when CUDA is available
-    (device copies then run as DMA at full PCIe speed)."""
+    (device copies then run as DMA at full PCIe speed). One copy: a step writes
+    in place (a second would double the host memory this tier exists to use)."""
 
     kind = "host"
+    keeps_previous_state = False
 
     def __init__(self, buckets: Sequence[BucketLayout], pin: bool) -> None:
         self.buffers: dict[int, HostMemory] = {}
@@ -230,8 +265,15 @@ class HostBacking:
                 errno.ENOMEM,
             ) from exc
 
-    def open(self, bucket: BucketLayout) -> HostHandle:
-        return HostHandle(self.buffers[bucket.index].tensor)
+    @classmethod
+    def bytes_needed(cls, buckets: Sequence[BucketLayout]) -> int:
+        return sum(b.file_size for b in buckets)
+
+    def open(self, bucket: BucketLayout, in_place: bool = True) -> HostHandle:
+        return HostHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")
+
+    def commit(self) -> None:
+        pass
 
     def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
         data = self.buffers[bucket.index].view
@@ -255,20 +297,37 @@ class HostBacking:
 Transfer = tuple[int, torch.Tensor]
 
 
+class StreamIOTimeout(StreamIOError):
+    """Transfers that did not finish in time (a hung drive). They may still be
+    running: the memory they target must not be reused."""
+
+
 class Ticket:
     """Transfers submitted together; ``wait()`` returns when all are done and
-    raises the first failure (after every transfer has stopped touching memory)."""
+    raises the first failure (after every transfer has stopped touching memory),
+    or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``."""
 
-    def __init__(self, futures: Sequence[concurrent.futures.Future] = ()) -> None:
+    def __init__(
+        self, futures: Sequence[concurrent.futures.Future] = (), name: str = "", timeout_s: float | None = None
+    ) -> None:
         self._futures = list(futures)
+        self._name = name
+        self._timeout_s = timeout_s
 
     def wait(self) -> None:
+        _, pending = concurrent.futures.wait(self._futures, timeout=self._timeout_s)
+        if pending:
+            raise StreamIOTimeout(
+                f"I/O on {self._name} did not complete within {self._timeout_s:g} s: {len(pending)} of "
+                f"{len(self._futures)} requests still pending (a hung drive?)",
+                self._name,
+                0,
+                errno.ETIMEDOUT,
+            )
         first = None
         for future in self._futures:
-            try:
-                future.result()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after all stopped
-                first = first or exc
+            if future.exception() is not None:
+                first = first or future.exception()
         self._futures.clear()
         if first is not None:
             raise first
@@ -301,7 +360,7 @@ class SyncEngine:
     def idle_buffer(self) -> HostMemory:
         return self.staging
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         self.staging.release()
 
 
@@ -322,8 +381,9 @@ class PipelinedEngine:
     waited on.
     """
 
-    def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device) -> None:
+    def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device, timeout_s: float) -> None:
         self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
         self._stagings = [HostMemory(chunk_bytes, pin) for _ in range(2 * threads)]
         self._device = device
         self._local = threading.local()
@@ -352,21 +412,26 @@ class PipelinedEngine:
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
-        return Ticket([self._readers.submit(self._run, handle.read, o, t, ready) for o, t in chunks])
+        futures = [self._readers.submit(self._run, handle.read, o, t, ready) for o, t in chunks]
+        return Ticket(futures, handle.read_path, self.timeout_s)
 
     def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
-        return Ticket([self._writers.submit(self._run, handle.write, o, t, ready) for o, t in chunks])
+        futures = [self._writers.submit(self._run, handle.write, o, t, ready) for o, t in chunks]
+        return Ticket(futures, handle.write_path, self.timeout_s)
 
     def idle_buffer(self) -> HostMemory:
         """A staging chunk the caller may use while no transfer is in flight."""
         return self._stagings[0]
 
-    def close(self) -> None:
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
-        for staging in self._stagings:
-            staging.release()
+    def close(self, wait: bool = True) -> None:
+        """Stop the threads; with ``wait=False`` (after a timeout) hung requests are
+        abandoned, and their staging stays allocated for them."""
+        self._readers.shutdown(wait=wait, cancel_futures=not wait)
+        self._writers.shutdown(wait=wait, cancel_futures=not wait)
+        if wait:
+            for staging in self._stagings:
+                staging.release()
 
 
 def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:

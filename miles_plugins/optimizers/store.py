@@ -17,6 +17,8 @@ bucket at a time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -40,6 +42,7 @@ from miles_plugins.optimizers.io import (
     HostBacking,
     PipelinedEngine,
     StreamIOError,
+    StreamIOTimeout,
     SyncEngine,
     Ticket,
     Transfer,
@@ -199,8 +202,10 @@ class StreamingStore:
         self.config = config
         self.topology = dict(topology or {})
         self._optimizer_class = f"{type(backend.master).__module__}.{type(backend.master).__qualname__}"
-        # Set when a step or a load failed after it began changing the stored state.
+        # Set when a step or a load failed in a way that left no consistent state.
         self._damaged: str | None = None
+        # Set when transfers hung: their memory and threads are abandoned.
+        self._hung = False
         self._closed = False
         self.entries = list(entries)
         self._grad_fn = grad_fn or (lambda entry: entry.main.grad)
@@ -252,7 +257,9 @@ class StreamingStore:
         pin = torch.cuda.is_available()
         # Disk tier: checks free space and the directory before anything is written.
         self.scratch = (
-            ScratchDir(config.directory, config.name, self.file_bytes_total) if config.tier == "disk" else None
+            ScratchDir(config.directory, config.name, FileBacking.bytes_needed(self.buckets))
+            if config.tier == "disk"
+            else None
         )
         self._engine = self._backing = None
         try:
@@ -263,7 +270,9 @@ class StreamingStore:
             else:
                 self._backing = HostBacking(self.buckets, pin=pin)
             if config.pipelined:
-                self._engine = PipelinedEngine(config.io_threads, config.staging_bytes, pin, self._device)
+                self._engine = PipelinedEngine(
+                    config.io_threads, config.staging_bytes, pin, self._device, config.io_timeout_s
+                )
             else:
                 self._engine = SyncEngine(config.staging_bytes, pin)
             self._write_mains(init_main)
@@ -317,34 +326,44 @@ class StreamingStore:
     def step(self) -> StepStats:
         """One optimizer step over all state; returns what it moved (also in ``last_step``).
 
-        A failure raises; if any bucket had been updated by then, the stored
-        state mixes two steps and the store refuses to step again.
+        On the disk tier the step writes every bucket to the other slot and
+        commits only when all are written. A step that fails part way raises,
+        and the store is as it was before the step: the bucket optimizers' step
+        counts and the model params of the buckets it had updated are rolled
+        back (their params rewritten from the committed mains), so the caller
+        may save a checkpoint or run the whole optimizer step again, losing
+        nothing but the step in progress. Where that cannot be done (the host
+        tier writes in place; remainder mains need the params the step
+        overwrote; transfers hung) the store refuses to step again.
         """
         self._check_open()
         start = time.perf_counter()
         stats, self._prefetch_stats = self._prefetch_stats, StepStats()
-        if self._resident_optimizer is not None:
-            self._attach_grads(self._resident_entries)
-            self._resident_optimizer.step()
         ahead, self._prefetched = self._prefetched, deque()
         writing: deque[_Flight] = deque()
         current = None
+        updated: list[tuple[_Flight, dict]] = []  # buckets whose params this step changed, and their prior state
         try:
             for i in range(len(self.buckets)):
                 self._read_ahead(i + self.config.depth - 1, ahead, writing, stats)
                 current = ahead.popleft()
                 self._finish_fetch(current)
+                updated.append((current, current.optimizer.export_state()))
                 self._compute(current)
                 self._start_store(current, stats)
                 writing.append(current)
                 current = None
             while writing:
                 self._retire(writing.popleft())
+            # Last: fp32-native params are updated in place, with no copy to roll back to.
+            if self._resident_optimizer is not None:
+                self._attach_grads(self._resident_entries)
+                self._resident_optimizer.step()
         except BaseException as exc:
-            self._abort([*ahead, *writing, *([current] if current else [])])
-            if writing or current is not None or stats.bytes_written:
-                self._damaged = f"step {self.steps_taken + 1} failed after it began writing ({exc})"
+            self._hung = self._abort([*ahead, *writing, *([current] if current else [])])
+            self._roll_back(updated, exc)
             raise
+        self._backing.commit()
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         self.total.add(stats)
@@ -358,6 +377,48 @@ class StreamingStore:
             stats.seconds,
         )
         return stats
+
+    def _roll_back(self, updated: list[tuple[_Flight, dict]], exc: BaseException) -> None:
+        """After a failed step: restore the pre-step state, or mark the store damaged."""
+        failed = f"step {self.steps_taken + 1} failed ({exc})"
+        if self._hung:
+            self._damaged = f"{failed}; transfers still hang, their memory cannot be reused"
+            return
+        if not updated:
+            return  # no bucket was updated: nothing changed
+        if not self._backing.keeps_previous_state or self.config.main_storage == "remainder":
+            why = (
+                "the host tier writes in place"
+                if not self._backing.keeps_previous_state
+                else ("remainder mains need the params the step overwrote")
+            )
+            self._damaged = f"{failed} after updating {len(updated)} buckets, and {why}"
+            return
+        try:
+            for flight, prior in updated:
+                flight.optimizer.import_state(prior, materialize=False)
+            self._restore_params([flight.bucket for flight, _ in updated])
+        except BaseException as again:
+            self._damaged = f"{failed}, and rolling back its {len(updated)} updated buckets failed too ({again})"
+            return
+        logger.warning(
+            "%s; the optimizer state and the params of the %d buckets it had updated are back at step %d: "
+            "only this step is lost",
+            failed,
+            len(updated),
+            self.steps_taken,
+        )
+
+    def _restore_params(self, buckets: Sequence[BucketLayout]) -> None:
+        """Rewrite the model params of ``buckets`` from their committed fp32 mains."""
+        for bucket in buckets:
+            flight = self._start_fetch(bucket, self._bucket_optimizers[bucket.index], StepStats(), moments=False)
+            try:
+                self._finish_fetch(flight)
+                for entry in flight.entries:
+                    self._copy_to_model(entry)
+            finally:
+                self._abort([flight])
 
     def prefetch(self) -> None:
         """Start reading the first buckets of the next step now (pipelined engine;
@@ -389,7 +450,7 @@ class StreamingStore:
     def _shut_down(self) -> None:
         self._closed = True
         if self._engine is not None:
-            self._engine.close()
+            self._engine.close(wait=not self._hung)
         if isinstance(self._backing, HostBacking):
             self._backing.release()
         self._backing = None
@@ -422,10 +483,13 @@ class StreamingStore:
     def save_to(self, base_dir: str) -> None:
         """Save the full state under ``base_dir/<name>``, atomically.
 
-        Everything goes to a private temporary directory first (bucket files,
-        resident moments, the manifest last, each fsynced), which is then renamed
-        into place: ``base_dir/<name>`` is either the previous complete save or
-        this one, never a mix. Call between steps.
+        Checks first that ``base_dir`` has room for the whole save beside any
+        previous one. Everything goes to a private temporary directory
+        (``.<name>.partial``: bucket files, resident moments, the manifest last,
+        each fsynced), which then trades places with ``base_dir/<name>`` in one
+        atomic exchange: at every instant, a crash included, ``<name>`` is the
+        previous complete save or this one, never a mix, never missing. Call
+        between steps.
         """
         self._check_open()
         self._drop_prefetch()
@@ -434,6 +498,16 @@ class StreamingStore:
         partial = os.path.join(base_dir, f".{self.config.name}.partial")
         os.makedirs(base_dir, mode=0o700, exist_ok=True)
         _remove_private_dir(partial)  # left by a save that was interrupted
+        needed = self.file_bytes_total + self._resident_bytes()
+        free = shutil.disk_usage(base_dir).free
+        if free < needed:
+            raise StreamIOError(
+                f"not enough free space to save the optimizer state in {base_dir}: needs {needed} bytes, "
+                f"{free} free; nothing was written (a previous save there is untouched)",
+                base_dir,
+                0,
+                errno.ENOSPC,
+            )
         os.mkdir(partial, 0o700)
         try:
             files = {}
@@ -459,13 +533,13 @@ class StreamingStore:
             )
             manifest.write(partial)
             _fsync_dir(partial)
-            replaced = os.path.join(base_dir, f".{self.config.name}.replaced")
-            _remove_private_dir(replaced)
             if os.path.lexists(final):
-                os.rename(final, replaced)
-            os.rename(partial, final)
+                _check_private_dir(final)
+                _exchange(partial, final)  # the previous save is now at `partial`
+            else:
+                os.rename(partial, final)
             _fsync_dir(base_dir)
-            _remove_private_dir(replaced)
+            _remove_private_dir(partial)
         except BaseException:
             _remove_private_dir(partial)
             raise
@@ -493,8 +567,9 @@ class StreamingStore:
         self._check_open()
         self._drop_prefetch()
         source = os.path.join(base_dir, self.config.name)
-        if not os.path.isdir(source):
+        if not os.path.lexists(source):
             return False
+        _check_private_dir(source)
         manifest = Manifest.read(source)
         problems = differences(manifest.data, self._description())
         for name, expected in sorted(manifest.files.items()):
@@ -547,6 +622,9 @@ class StreamingStore:
             time.perf_counter() - start,
         )
         return True
+
+    def _resident_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self._resident_moments()) if self._resident_optimizer else 0
 
     def _resident_moments(self) -> Iterator[torch.Tensor]:
         for i in self._resident_entries:
@@ -661,11 +739,11 @@ class StreamingStore:
             if grad is not entry.main.grad:
                 entry.main.grad = grad
 
-    def _tensors(self, flight: _Flight, k: int) -> list[tuple[str, torch.Tensor]]:
+    def _tensors(self, flight: _Flight, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
         """(segment, fp32 tensor) of entry ``k``: its main, then its moments if it has any."""
         main = flight.entries[k].main
-        moments = flight.optimizer.moments(main)
-        return [("main", main), *(zip(MOMENT_SEGMENTS, moments, strict=True) if moments is not None else ())]
+        state = flight.optimizer.moments(main) if moments else None
+        return [("main", main), *(zip(MOMENT_SEGMENTS, state, strict=True) if state is not None else ())]
 
     def _read_ahead(self, last: int, ahead: deque[_Flight], writing: deque[_Flight], stats: StepStats) -> None:
         """Start fetching buckets up to index ``last``, after those in ``ahead``;
@@ -678,7 +756,9 @@ class StreamingStore:
                 self._retire(writing.popleft())
             ahead.append(self._start_fetch(self.buckets[index], self._bucket_optimizers[index], stats))
 
-    def _start_fetch(self, bucket: BucketLayout, optimizer: BucketOptimizer, stats: StepStats) -> _Flight:
+    def _start_fetch(
+        self, bucket: BucketLayout, optimizer: BucketOptimizer, stats: StepStats, moments: bool = True
+    ) -> _Flight:
         """Materialize the bucket's mains and moments and submit their reads. A
         stored format other than fp32 lands in the first bytes of the tensor's
         own storage, converted in place by :meth:`_finish_fetch`."""
@@ -687,7 +767,7 @@ class StreamingStore:
         try:
             flight.handle = self._backing.open(bucket)
             for k in range(len(flight.entries)):
-                for name, tensor in self._tensors(flight, k):
+                for name, tensor in self._tensors(flight, k, moments):
                     segment = bucket.segments[name]
                     self._residency.materialize(tensor)
                     if segment.dtype != tensor.dtype:
@@ -732,7 +812,7 @@ class StreamingStore:
         bucket = flight.bucket
         transfers: list[Transfer] = []
         for k, entry in enumerate(flight.entries):
-            for name, tensor in self._tensors(flight, k) if moments else [("main", entry.main)]:
+            for name, tensor in self._tensors(flight, k, moments):
                 segment = bucket.segments[name]
                 if name == "main" and segment.dtype == remainder.STORAGE_DTYPE:
                     self._exceptions[bucket.index][k] = remainder.encode_in_place(tensor, entry.param)
@@ -769,27 +849,44 @@ class StreamingStore:
             flight.handle.close()
             flight.handle = None
 
-    def _abort(self, flights: Sequence[_Flight]) -> None:
+    def _abort(self, flights: Sequence[_Flight]) -> bool:
         """Stop using ``flights`` after a failure or when their state is not needed:
         wait until no transfer touches their memory, then release it. Errors of
-        the transfers themselves were (or will be) reported by their owner."""
+        the transfers themselves were (or will be) reported by their owner.
+        Returns True when some transfers hung: their flights' memory is then
+        left allocated, since a late transfer may still write into it."""
+        hung = False
         for flight in flights:
+            stuck = False
             for ticket in (flight.reads, flight.writes):
-                if ticket is not None:
-                    with contextlib.suppress(BaseException):
-                        ticket.wait()
+                if ticket is None:
+                    continue
+                try:
+                    ticket.wait()
+                except StreamIOTimeout:
+                    stuck = True
+                except BaseException:  # noqa: BLE001 - reported by the transfer's owner
+                    pass
+            if stuck:
+                hung = True
+                continue
             flight.reads = flight.writes = None
             self._release(flight)
+        return hung
 
     def _drop_prefetch(self) -> None:
         flights, self._prefetched = self._prefetched, deque()
-        self._abort(flights)
+        if self._abort(flights):
+            self._hung = True
+            self._damaged = "prefetched reads hang; their memory cannot be reused"
         self._prefetch_stats = StepStats()
 
     @torch.no_grad()
     def _write_mains(self, fill: CopyFn | None) -> None:
         """Write every bucket's mains (moments untouched), ``buckets_in_flight`` at a
-        time: filled from the params by ``fill``, or as they are when it is None."""
+        time: filled from the params by ``fill``, or as they are when it is None.
+        In place: a failure part way leaves the mains mixed, and the store refuses
+        to step (after construction: the caller's refresh can then not be trusted)."""
         writing: deque[_Flight] = deque()
         try:
             for bucket, optimizer in zip(self.buckets, self._bucket_optimizers, strict=True):
@@ -797,7 +894,8 @@ class StreamingStore:
                     self._retire(writing.popleft())
                 flight = _Flight(bucket, optimizer, [self.entries[i] for i in bucket.entry_indices], None)
                 writing.append(flight)
-                flight.handle = self._backing.open(bucket)
+                # In place: the moments in the committed slot stay as they are.
+                flight.handle = self._backing.open(bucket, in_place=True)
                 for entry in flight.entries:
                     if fill is None:
                         self._residency.adopt(entry.main)  # already holds its initial value
@@ -807,8 +905,9 @@ class StreamingStore:
                 self._start_store(flight, StepStats(), moments=False)
             while writing:
                 self._retire(writing.popleft())
-        except BaseException:
-            self._abort(writing)
+        except BaseException as exc:
+            self._hung = self._abort(writing) or self._hung
+            self._damaged = f"rewriting the mains failed part way ({exc})"
             raise
 
 
@@ -834,15 +933,38 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _check_private_dir(path: str) -> None:
+    """Refuse a symlink or file where a directory of saved state belongs."""
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise StreamIOError(f"refusing to use {path}: not a plain directory (a symlink or file)", path, 0)
+
+
 def _remove_private_dir(path: str) -> None:
-    """Delete a directory this store made; refuse anything else found at that name."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    """Delete a directory this store made (never following symlinks inside it);
+    refuse anything else found at that name."""
+    if not os.path.lexists(path):
         return
-    if not stat.S_ISDIR(st.st_mode):
-        raise StreamIOError(f"refusing to delete {path}: not a plain directory (a symlink or file)", path, 0)
+    _check_private_dir(path)
     shutil.rmtree(path)
+
+
+# renameat2(2): swap two paths atomically (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, ...).
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _exchange(a: str, b: str) -> None:
+    """Atomically swap the directories at ``a`` and ``b``."""
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise StreamIOError(
+            f"cannot swap {a} into place at {b}: {os.strerror(err)} (renameat2 RENAME_EXCHANGE; the "
+            f"previous save at {b} is untouched)",
+            b,
+            0,
+            err,
+        )
 
 
 def bind_master(master: torch.optim.Optimizer, store: OptimizerStateStore, *, read_state_with: str) -> None:

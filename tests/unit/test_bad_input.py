@@ -115,10 +115,10 @@ def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
     model = _bf16_model()
     streamed = _wrap(tmp_path, model=model)
     (bucket,) = streamed.store.buckets
-    path = streamed.store.scratch.file(bucket.file_name)
+    path = streamed.store._backing.path(bucket)
     os.truncate(path, 1000)
     model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
-    with pytest.raises(StreamIOError, match=r"short read of .*bucket_00000.bin at offset 1000") as info:
+    with pytest.raises(StreamIOError, match=r"short read of .*bucket_00000.slot\d.bin at offset 1000") as info:
         streamed.step()
     assert info.value.path == path and info.value.offset == 1000
     streamed.close()
@@ -127,9 +127,9 @@ def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
 def test_write_error_names_file_and_offset(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"\0" * 8192)
-    handle = FileHandle(str(path), direct=False)
-    os.close(handle.fd)
-    handle.fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
+    handle = FileHandle(str(path), str(path), direct=False)
+    os.close(handle.read_fd)
+    handle.read_fd = handle.write_fd = os.open(path, os.O_RDONLY)  # writes fail with EBADF, a real OS error
     try:
         with pytest.raises(StreamIOError, match=r"write of .*f.bin failed at offset 4096") as info:
             handle.write(4096, torch.ones(100, dtype=torch.uint8), HostMemory(4096, pin=False))
@@ -165,7 +165,8 @@ def test_bucket_files_use_direct_io_where_the_filesystem_allows_it(tmp_path):
     assert streamed.store._backing.direct is True
     handle = streamed.store._backing.open(streamed.store.buckets[0])
     try:
-        assert fcntl.fcntl(handle.fd, fcntl.F_GETFL) & os.O_DIRECT
+        assert fcntl.fcntl(handle.read_fd, fcntl.F_GETFL) & os.O_DIRECT
+        assert fcntl.fcntl(handle.write_fd, fcntl.F_GETFL) & os.O_DIRECT
     finally:
         handle.close()
     streamed.close()
