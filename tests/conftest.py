@@ -1,6 +1,17 @@
 import pytest
 import torch
 
+# Rows of the fault report (`make faults`): one per fault scenario that passed.
+FAULT_ROWS = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fault-report", action="store_true", help="print the fault scenarios' table at the end")
+
+
+def pytest_configure(config):
+    config.stash[FAULT_ROWS] = []
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -9,3 +20,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fault_report(request):
+    """``fault_report(scenario, expected, observed, data_lost)``: a row of the fault
+    report. Call it last in the test, so only a scenario that held is reported."""
+
+    def record(scenario: str, expected: str, observed: str, data_lost: str) -> None:
+        request.config.stash[FAULT_ROWS].append((scenario, expected, observed, data_lost))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not config.getoption("--fault-report"):
+        return
+    rows = config.stash[FAULT_ROWS]
+    failed = [r.nodeid for r in terminalreporter.stats.get("failed", [])]
+    write = terminalreporter.write_line
+    write("")
+    write("| scenario | expected | observed | data lost |")
+    write("|---|---|---|---|")
+    for row in rows:
+        write("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in row) + " |")
+    for nodeid in failed:
+        write(f"| FAILED: {nodeid} | | | |")

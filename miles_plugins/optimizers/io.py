@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers.layout import BucketLayout, align_up
+from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,13 @@ class HostMemory:
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
-        # Private: a shared anonymous mapping would be shmem, counted as page cache.
-        self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            # Private: a shared anonymous mapping would be shmem, counted as page cache.
+            self._mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise StreamIOError(
+                f"cannot allocate {nbytes} bytes of host memory: {exc.strerror}", "<host memory>", 0, exc.errno
+            ) from exc
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)[:nbytes]
         self.view = memoryview(self._mapping)[:nbytes]  # for os.preadv / os.pwritev
         self._pinned = False
@@ -113,7 +118,7 @@ class FileHandle:
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory) -> None:
         n = dst.numel()
-        pread_full(self.read_fd, self.read_path, offset, staging.view[: self._span(n)])
+        pread_full(self.read_fd, self.read_path, offset, staging.view[: self._span(n)], self._align)
         # A plain (non_blocking=False) copy returns once the bytes are on the device,
         # so the staging chunk is free for the next request when this returns.
         dst.copy_(staging.tensor[:n])
@@ -124,10 +129,14 @@ class FileHandle:
         # Synchronous copy: the bytes are in staging before pwritev reads them.
         staging.tensor[:n].copy_(src)
         staging.tensor[n:span].zero_()  # the alignment padding, kept deterministic
-        pwrite_full(self.write_fd, self.write_path, offset, staging.view[:span])
+        pwrite_full(self.write_fd, self.write_path, offset, staging.view[:span], self._align)
 
     def _span(self, n: int) -> int:
         return align_up(n) if self.direct else n
+
+    @property
+    def _align(self) -> int:
+        return ALIGNMENT if self.direct else 1
 
     def close(self) -> None:
         if self.write_fd != self.read_fd:
@@ -434,12 +443,15 @@ class PipelinedEngine:
                 staging.release()
 
 
-def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:
+def pread_full(fd: int, path: str, offset: int, buffer: memoryview, align: int = 1) -> None:
     """Fill ``buffer`` from ``offset``; a read error or an early end of file raises
-    :class:`StreamIOError` naming the file and offset."""
+    :class:`StreamIOError` naming the file and offset. After a partial read the
+    rest is asked for from the last ``align`` boundary (direct I/O accepts only
+    aligned offsets and lengths; a few bytes are then read twice)."""
     n = len(buffer)
     got = 0
     while got < n:
+        got -= got % align
         try:
             r = os.preadv(fd, [buffer[got:]], offset + got)
         except OSError as exc:
@@ -456,12 +468,14 @@ def pread_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:
         got += r
 
 
-def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview) -> None:
+def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int = 1) -> None:
     """Write all of ``buffer`` at ``offset``; an error or no progress raises
-    :class:`StreamIOError` naming the file and offset."""
+    :class:`StreamIOError` naming the file and offset. After a partial write the
+    rest goes from the last ``align`` boundary, as in :func:`pread_full`."""
     n = len(buffer)
     put = 0
     while put < n:
+        put -= put % align
         try:
             w = os.pwritev(fd, [buffer[put:]], offset + put)
         except OSError as exc:
@@ -485,8 +499,9 @@ def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size
     done = 0
     while done < size:
         chunk = buffer[: min(len(buffer), size - done)]
-        pread_full(src_fd, src_path, done, chunk)
+        # Aligned retries: either side may be a direct-I/O bucket file.
+        pread_full(src_fd, src_path, done, chunk, ALIGNMENT)
         crc = zlib.crc32(chunk, crc)
-        pwrite_full(dst_fd, dst_path, done, chunk)
+        pwrite_full(dst_fd, dst_path, done, chunk, ALIGNMENT)
         done += len(chunk)
     return crc

@@ -354,7 +354,7 @@ class StreamingStore:
                 writing.append(current)
                 current = None
             while writing:
-                self._retire(writing.popleft())
+                self._retire_oldest(writing)
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
@@ -753,7 +753,7 @@ class StreamingStore:
             while len(ahead) + len(writing) >= self.config.depth:
                 if not writing:
                     return
-                self._retire(writing.popleft())
+                self._retire_oldest(writing)
             ahead.append(self._start_fetch(self.buckets[index], self._bucket_optimizers[index], stats))
 
     def _start_fetch(
@@ -833,10 +833,13 @@ class StreamingStore:
         event.record(torch.cuda.current_stream(self._device))
         return event
 
-    def _retire(self, flight: _Flight) -> None:
-        """Wait for the bucket's writes, then release its device memory."""
+    def _retire_oldest(self, writing: deque[_Flight]) -> None:
+        """Wait for the oldest bucket's writes, then release its device memory. It
+        leaves ``writing`` only then: after a failure the caller still aborts it."""
+        flight = writing[0]
         flight.writes.wait()
         flight.writes = None
+        writing.popleft()
         self._release(flight)
 
     def _release(self, flight: _Flight) -> None:
@@ -891,7 +894,7 @@ class StreamingStore:
         try:
             for bucket, optimizer in zip(self.buckets, self._bucket_optimizers, strict=True):
                 while len(writing) >= self.config.depth:
-                    self._retire(writing.popleft())
+                    self._retire_oldest(writing)
                 flight = _Flight(bucket, optimizer, [self.entries[i] for i in bucket.entry_indices], None)
                 writing.append(flight)
                 # In place: the moments in the committed slot stay as they are.
@@ -904,7 +907,7 @@ class StreamingStore:
                         fill(entry.param, entry.main)
                 self._start_store(flight, StepStats(), moments=False)
             while writing:
-                self._retire(writing.popleft())
+                self._retire_oldest(writing)
         except BaseException as exc:
             self._hung = self._abort(writing) or self._hung
             self._damaged = f"rewriting the mains failed part way ({exc})"

@@ -1,0 +1,53 @@
+"""A training process for the kill tests (``test_crash.py``): it is SIGKILLed mid-way.
+
+    python -m tests.unit.crash_child --work DIR --kill-in step|save
+
+Trains the reference model with streamed state under ``DIR/scratch`` (name
+``rank0``), saves a checkpoint to ``DIR/ckpt`` after SAVE_AT steps, trains one
+more step, and then either steps again or saves again into the same checkpoint
+directory. In that last phase the fault harness stalls a write half way (the
+6th of the step's bucket writes, or the 3rd bucket file of the save) and writes
+``DIR/stalled`` first: the parent waits for that file and kills this process
+while the step (or the save) is half done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from tests.faults import FaultPlan
+from tests.unit.reference import loss_fn
+from tests.unit.test_checkpoint import SAVE_AT, save_run, train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--kill-in", choices=["step", "save"], required=True)
+    args = parser.parse_args()
+    work = Path(args.work)
+    model, optimizer, scheduler, streamed = save_run(work, work / "ckpt")
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
+    target = work / ("scratch" if args.kill_in == "step" else "ckpt")
+
+    def tell_parent() -> None:
+        (work / "stalled").write_text(str(os.getpid()))
+
+    nth = 6 if args.kill_in == "step" else 3
+    with FaultPlan(target, "write", nth=nth, fault="hang", hang_s=3600.0, on_fault=tell_parent):
+        if args.kill_in == "step":
+            loss_fn(model, SAVE_AT + 1).backward()
+            optimizer.step()
+        else:
+            streamed.save_to(str(work / "ckpt"))
+    time.sleep(3600)  # not reached: the parent kills this process while it is stalled
+    torch.save(None, work / "not-killed")
+
+
+if __name__ == "__main__":
+    main()

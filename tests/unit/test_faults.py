@@ -1,0 +1,280 @@
+"""Failure scenarios: injected I/O faults, allocation failures, hangs, full disks.
+
+Each test drives a real streamed training run (``test_checkpoint``'s helpers:
+the torch front end over real files) into one failure, asserts what the
+caller sees, then proves what was kept by finishing the run and comparing it
+byte for byte with an independent uninterrupted resident run. The faults come
+from ``tests/faults.py`` at the ``os.preadv`` / ``os.pwritev`` /
+``os.posix_fallocate`` boundary. Each passing scenario adds a row to the report
+``make faults`` prints.
+"""
+
+import errno
+import logging
+import os
+import re
+import time
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
+from miles_plugins.optimizers.io import StreamIOTimeout
+from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.faults import FaultPlan
+from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
+from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, save_run, state_of, train
+
+pytestmark = pytest.mark.fault
+
+NONE_LOST = "none beyond the step in progress"
+FAILED_STEP = SAVE_AT + 1  # the run saves after SAVE_AT steps, takes one more, then fails
+
+
+def _reference():
+    return reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+
+
+def _one_step_past_the_checkpoint(tmp_path, **config):
+    """A run saved after SAVE_AT steps and one step further; grads for the next step ready."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt, **config)
+    train(model, optimizer, scheduler, range(SAVE_AT, FAILED_STEP))
+    loss_fn(model, FAILED_STEP).backward()
+    return ckpt, model, optimizer, scheduler, streamed
+
+
+def _retry_and_finish(model, optimizer, scheduler, streamed) -> None:
+    """Run the failed step again, then the rest; the result must be the uninterrupted run's."""
+    optimizer.step()
+    optimizer.zero_grad()
+    between_steps(optimizer, scheduler, FAILED_STEP)
+    train(model, optimizer, scheduler, range(FAILED_STEP + 1, STEPS))
+    assert_same_training(_reference(), state_of(model, streamed))
+
+
+def _resume_from_checkpoint_matches(tmp_path, ckpt) -> None:
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    try:
+        assert streamed.load_from(str(ckpt))
+        train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+        assert_same_training(_reference(), state_of(model, streamed))
+    finally:
+        streamed.close()
+
+
+def _rolled_back_buckets(caplog) -> int:
+    found = re.search(r"the params of the (\d+) buckets it had updated are back at step", caplog.text)
+    return int(found.group(1)) if found else 0
+
+
+@pytest.mark.parametrize(
+    "op, fault, message",
+    [
+        ("write", "eio", r"write of .*bucket_\d+\.slot\d\.bin failed at offset \d+: Input/output error"),
+        ("write", "enospc", r"write of .*bucket_\d+\.slot\d\.bin failed at offset \d+: No space left on device"),
+        ("write", "eof", r"short write of .*bucket_\d+\.slot\d\.bin at offset \d+: no progress"),
+        ("read", "eio", r"read of .*bucket_\d+\.slot\d\.bin failed at offset \d+: Input/output error"),
+        ("read", "eof", r"short read of .*bucket_\d+\.slot\d\.bin at offset \d+: end of file .*truncated"),
+    ],
+)
+def test_an_io_error_mid_step_loses_only_that_step(tmp_path, caplog, fault_report, op, fault, message):
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    before = state_of(model, streamed)
+    # Part way through the step: after some buckets were updated and written.
+    with FaultPlan(tmp_path / "scratch", op, nth=12, fault=fault) as plan, caplog.at_level(logging.WARNING):
+        with pytest.raises(StreamIOError, match=message) as info:
+            optimizer.step()
+    assert plan.fired == 1 and info.value.path in plan.paths
+    updated = _rolled_back_buckets(caplog)
+    assert updated >= 1, "the fault must hit after some buckets were updated, or nothing is rolled back"
+    # Mains, moments and the params of the updated buckets are as before the step.
+    assert_same_training(before, state_of(model, streamed))
+    assert streamed.store.steps_taken == FAILED_STEP
+    _retry_and_finish(model, optimizer, scheduler, streamed)
+    streamed.close()
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        f"{op} fails mid-step ({fault.upper()})",
+        "error naming the bucket file; state and params back at the previous step",
+        f"{type(info.value).__name__}: {info.value}; {updated} updated buckets rolled back; the retried run and "
+        "a resume from the last checkpoint are byte-identical to an uninterrupted run",
+        NONE_LOST,
+    )
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_short_transfers_are_completed_not_mistaken_for_data(tmp_path, fault_report, op):
+    """The OS may move fewer bytes than asked; the store asks again for the rest."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0")
+    with FaultPlan(tmp_path / "scratch", op, nth=3, fault="short", times=20) as plan:
+        train(model, optimizer, scheduler, range(STEPS))
+    assert plan.fired == 20
+    assert_same_training(_reference(), state_of(model, streamed))
+    streamed.close()
+    fault_report(
+        f"{op}s return short (20 times)",
+        "the rest is transferred; no error, no wrong bytes",
+        "training byte-identical to an uninterrupted run",
+        "none",
+    )
+
+
+def test_a_hung_drive_times_out_and_the_last_checkpoint_resumes(tmp_path, fault_report):
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, io_timeout_s=0.5)
+    start = time.monotonic()
+    with FaultPlan(tmp_path / "scratch", "write", nth=4, fault="hang", hang_s=3.0):
+        with pytest.raises(StreamIOTimeout, match=r"bucket_\d+\.slot\d\.bin did not complete within 0.5 s") as info:
+            optimizer.step()
+        waited = time.monotonic() - start
+        assert waited < 3.0, "the step must fail at its timeout, not when the drive comes back"
+        with pytest.raises(RuntimeError, match="transfers still hang"):
+            optimizer.step()
+        streamed.close()
+        time.sleep(3.0)  # let the stalled write finish before its files go
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        "a write hangs (stalled drive)",
+        "the step fails at io_timeout_s instead of hanging; the store refuses to go on",
+        f"StreamIOTimeout after {waited:.1f} s: {info.value}; next step refused; the last checkpoint resumes "
+        "byte-identical",
+        "the steps since the last checkpoint (the drive holding the scratch stopped answering)",
+    )
+
+
+def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, monkeypatch, fault_report):
+    from miles_plugins.optimizers import store as store_module
+
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    before = state_of(model, streamed)
+    real = store_module._Residency.materialize
+    calls = {"n": 0}
+
+    def failing_materialize(self, t):
+        # Simulated: a real device out-of-memory cannot be provoked safely here.
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, t)
+
+    monkeypatch.setattr(store_module._Residency, "materialize", failing_materialize)
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info:
+        optimizer.step()
+    monkeypatch.setattr(store_module._Residency, "materialize", real)
+    assert_same_training(before, state_of(model, streamed))
+    _retry_and_finish(model, optimizer, scheduler, streamed)
+    streamed.close()
+    fault_report(
+        "device allocation fails mid-step",
+        "the allocator's error; state and params back at the previous step",
+        f"{type(info.value).__name__}: {info.value}; rolled back; the retried run is byte-identical",
+        NONE_LOST,
+    )
+
+
+def test_a_staging_allocation_failure_is_refused_with_nothing_written(tmp_path, monkeypatch, fault_report):
+    import mmap
+
+    from miles_plugins.optimizers import io as io_module
+
+    def no_memory(*args, **kwargs):
+        # Simulated: exhausting the host's memory for real would take the machine down.
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(io_module.mmap, "mmap", no_memory)
+    model = Net(torch.bfloat16)
+    with pytest.raises(StreamIOError, match="cannot allocate 16777216 bytes of host memory: Cannot allocate") as info:
+        StreamedOptimizer(torch.optim.AdamW(groups(model)), StreamConfig(directory=str(tmp_path / "scratch")))
+    monkeypatch.setattr(io_module.mmap, "mmap", mmap.mmap)
+    assert os.listdir(tmp_path / "scratch") == []
+    fault_report(
+        "staging allocation fails at startup",
+        "clear error, nothing written",
+        f"{info.value}; the scratch directory is empty",
+        "none",
+    )
+
+
+def test_a_full_disk_at_startup_is_refused_before_or_while_reserving(tmp_path, fault_report):
+    model = Net(torch.bfloat16)
+    with FaultPlan(tmp_path / "scratch", "fallocate", nth=3, fault="enospc"):
+        with pytest.raises(StreamIOError, match=r"cannot reserve \d+ bytes for .*: No space left on device") as info:
+            StreamedOptimizer(
+                torch.optim.AdamW(groups(model)),
+                StreamConfig(directory=str(tmp_path / "scratch"), bucket_cap_elements=1500),
+            )
+    assert os.listdir(tmp_path / "scratch") == []
+    huge = torch.nn.Parameter(torch.empty(1 << 50, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(Exception, match=r"not enough free space .* needs .* free") as preflight:
+        StreamedOptimizer(torch.optim.AdamW([huge]), StreamConfig(directory=str(tmp_path / "big")))
+    assert not (tmp_path / "big").exists()
+    fault_report(
+        "full disk at startup",
+        "the free-space preflight refuses before writing; a reservation that fails anyway removes everything",
+        f"preflight: {str(preflight.value)[:90]}...; ENOSPC while reserving: {info.value}; scratch empty",
+        "none (nothing had been written)",
+    )
+
+
+def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_save(tmp_path, fault_report):
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
+    with FaultPlan(ckpt, "write", nth=4, fault="enospc"):
+        with pytest.raises(StreamIOError, match="No space left on device") as info:
+            streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "no partial save may be left behind"
+    assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
+    streamed.close()
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        "full disk while saving a checkpoint",
+        "the save fails; the previous save stays complete",
+        f"{info.value}; previous save byte-for-byte unchanged and resumes byte-identical",
+        "none (the run itself is unaffected)",
+    )
+
+
+def test_the_save_preflight_refuses_when_the_checkpoint_disk_is_full(tmp_path, monkeypatch, fault_report):
+    import shutil
+
+    from miles_plugins.optimizers import store as store_module
+
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
+    usage = shutil.disk_usage(ckpt)
+    # Simulated: filling a real disk to the last few KB is not something a test should do.
+    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    with pytest.raises(StreamIOError, match=r"not enough free space to save .* nothing was written") as info:
+        streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
+    streamed.close()
+    fault_report(
+        "checkpoint disk too full for a save",
+        "the save's preflight refuses before writing",
+        str(info.value),
+        "none",
+    )
+
+
+def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    optimizer.step()
+    streamed.save_to(str(tmp_path / "later"))
+    streamed.close()
+    # The later save's manifest beside the earlier save's bucket files.
+    (ckpt / "rank0" / MANIFEST_NAME).write_bytes((tmp_path / "later" / "rank0" / MANIFEST_NAME).read_bytes())
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    with pytest.raises(
+        Exception, match=r"CRC-32 .* does not match the manifest's .* the checkpoint is corrupt"
+    ) as info:
+        streamed.load_from(str(ckpt))
+    streamed.close()
+    fault_report(
+        "manifest from another save",
+        "load refuses, saying what is wrong",
+        str(info.value).splitlines()[0],
+        "none (the load refuses; the files are untouched)",
+    )
