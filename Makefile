@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint
+.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint
 
 venv: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# The failure scenarios (also part of `make test`), with their report table.
+faults: venv
+	$(PY) -m pytest -q -m fault --fault-report tests/unit
 
 # The GPU tier, on a CUDA machine with megatron-core importable: it runs with that
 # machine's own torch (no venv), e.g. PYTHONPATH=/tmp/site for a carried wheel.

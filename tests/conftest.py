@@ -27,7 +27,11 @@ def fault_report(request):
     """``fault_report(scenario, expected, observed, data_lost)``: a row of the fault
     report. Call it last in the test, so only a scenario that held is reported."""
 
+    tmp = str(request.getfixturevalue("tmp_path")) if "tmp_path" in request.fixturenames else None
+
     def record(scenario: str, expected: str, observed: str, data_lost: str) -> None:
+        if tmp:
+            observed = observed.replace(tmp, "<tmp>")
         request.config.stash[FAULT_ROWS].append((scenario, expected, observed, data_lost))
 
     return record

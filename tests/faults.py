@@ -8,7 +8,8 @@ with ``times``, the ones after it) misbehave:
 
 - ``"eio"`` / ``"enospc"``: raise ``OSError`` with that errno (a dying drive, a full disk);
 - ``"short"``: move half the bytes and return that count (legal, and the
-  caller must go on);
+  caller must go on); on a direct-I/O file, whole 4096-byte blocks only, as the
+  kernel does there (a transfer of one block then completes);
 - ``"eof"``: return 0 (a read past the end of a truncated file; a write that
   makes no progress);
 - ``"hang"``: block for ``hang_s`` seconds first (a stalled drive), then do the call.
@@ -21,12 +22,14 @@ process uses it to tell its parent where it is before it is killed).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import time
 from collections.abc import Callable
 
 FAULTS = ("eio", "enospc", "short", "eof", "hang")
+BLOCK = 4096  # the logical block size direct I/O transfers in
 OPS = ("read", "write", "fallocate")
 
 
@@ -50,6 +53,7 @@ class FaultPlan:
         self.calls = 0  # matching calls seen
         self.fired = 0  # faults injected
         self.paths: list[str] = []  # the files the faults hit
+        self.shortened = 0  # "short" faults that really moved fewer bytes
         self._lock = threading.Lock()
         self._saved = {}
 
@@ -92,7 +96,14 @@ class FaultPlan:
                 return 0
             if self.fault == "short":
                 (buffer,) = buffers
-                return real(fd, [memoryview(buffer)[: max(1, len(buffer) // 2)]], offset, *args)
+                half = len(buffer) // 2
+                if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                    half -= half % BLOCK
+                if half == 0:
+                    return real(fd, buffers, offset, *args)
+                with self._lock:
+                    self.shortened += 1
+                return real(fd, [memoryview(buffer)[:half]], offset, *args)
             time.sleep(self.hang_s)
             return real(fd, buffers, offset, *args)
 

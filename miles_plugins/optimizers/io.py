@@ -447,25 +447,26 @@ def pread_full(fd: int, path: str, offset: int, buffer: memoryview, align: int =
     """Fill ``buffer`` from ``offset``; a read error or an early end of file raises
     :class:`StreamIOError` naming the file and offset. After a partial read the
     rest is asked for from the last ``align`` boundary (direct I/O accepts only
-    aligned offsets and lengths; a few bytes are then read twice)."""
+    aligned offsets and lengths; a few bytes are then read twice); a read that
+    gets no further than the last one is the end of the file."""
     n = len(buffer)
     got = 0
     while got < n:
-        got -= got % align
+        start = got - got % align
         try:
-            r = os.preadv(fd, [buffer[got:]], offset + got)
+            r = os.preadv(fd, [buffer[start:]], offset + start)
         except OSError as exc:
             raise StreamIOError(
-                f"read of {path} failed at offset {offset + got}: {exc.strerror}", path, offset + got, exc.errno
+                f"read of {path} failed at offset {offset + start}: {exc.strerror}", path, offset + start, exc.errno
             ) from exc
-        if r == 0:
+        if start + r <= got:
             raise StreamIOError(
                 f"short read of {path} at offset {offset + got}: end of file after {got} of {n} bytes "
                 "(file truncated?)",
                 path,
                 offset + got,
             )
-        got += r
+        got = start + r
 
 
 def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int = 1) -> None:
@@ -475,20 +476,20 @@ def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int 
     n = len(buffer)
     put = 0
     while put < n:
-        put -= put % align
+        start = put - put % align
         try:
-            w = os.pwritev(fd, [buffer[put:]], offset + put)
+            w = os.pwritev(fd, [buffer[start:]], offset + start)
         except OSError as exc:
             raise StreamIOError(
-                f"write of {path} failed at offset {offset + put}: {exc.strerror}", path, offset + put, exc.errno
+                f"write of {path} failed at offset {offset + start}: {exc.strerror}", path, offset + start, exc.errno
             ) from exc
-        if w == 0:
+        if start + w <= put:
             raise StreamIOError(
                 f"short write of {path} at offset {offset + put}: no progress after {put} of {n} bytes",
                 path,
                 offset + put,
             )
-        put += w
+        put = start + w
 
 
 def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size: int, buffer: memoryview) -> int:

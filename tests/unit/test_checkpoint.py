@@ -204,37 +204,64 @@ def test_changed_layout_is_refused(tmp_path, saved):
     assert "bucket layout differs" in refusal(tmp_path, saved, bucket_cap_elements=100_000)
 
 
-def test_truncated_bucket_file_is_refused_before_anything_is_loaded(tmp_path, saved):
+@pytest.mark.fault
+def test_truncated_bucket_file_is_refused_before_anything_is_loaded(tmp_path, saved, fault_report):
     path = saved / "rank0" / "bucket_00001.bin"
     os.truncate(path, path.stat().st_size - 100)
-    assert "bucket_00001.bin has" in refusal(tmp_path, saved) and "truncated" in refusal(tmp_path, saved)
+    message = refusal(tmp_path, saved)
+    assert "bucket_00001.bin has" in message and "truncated" in message
+    fault_report(
+        "checkpoint bucket file truncated",
+        "load refuses before touching the live state",
+        message.splitlines()[-1].strip(" -"),
+        "none (the load refuses)",
+    )
 
 
-def test_flipped_byte_fails_the_checksum_and_the_store_refuses_to_step(tmp_path, saved):
+@pytest.mark.fault
+def test_flipped_byte_fails_the_checksum_and_the_store_refuses_to_step(tmp_path, saved, fault_report):
     path = saved / "rank0" / "bucket_00002.bin"
     data = bytearray(path.read_bytes())
     data[5] ^= 0x01
     path.write_bytes(bytes(data))
     model, optimizer, scheduler, streamed = resume(tmp_path, saved)
-    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32"):
+    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32") as info:
         streamed.load_from(str(saved))
     loss_fn(model, 0).backward()
     with pytest.raises(RuntimeError, match="no consistent state"):
         optimizer.step()
     streamed.close()
+    fault_report(
+        "checkpoint byte flipped",
+        "load refuses on the checksum; the half-loaded store refuses to step",
+        f"{info.value}; the next step refused",
+        "none (the load refuses)",
+    )
 
 
-def test_missing_manifest_is_refused(tmp_path, saved):
+@pytest.mark.fault
+def test_missing_manifest_is_refused(tmp_path, saved, fault_report):
     (saved / "rank0" / MANIFEST_NAME).unlink()
-    assert "holds no manifest.json" in refusal(tmp_path, saved)
+    message = refusal(tmp_path, saved)
+    assert "holds no manifest.json" in message
+    fault_report("checkpoint manifest missing", "load refuses", message, "none (the load refuses)")
 
 
-def test_manifest_naming_files_outside_its_directory_is_refused(tmp_path, saved):
+@pytest.mark.fault
+@pytest.mark.parametrize("name", ["../evil.bin", "/etc/passwd", ".hidden"])
+def test_manifest_naming_files_outside_its_directory_is_refused(tmp_path, saved, fault_report, name):
     path = saved / "rank0" / MANIFEST_NAME
     manifest = json.loads(path.read_text())
-    manifest["files"]["../evil.bin"] = {"size": 1, "crc32": 0}
+    manifest["files"][name] = {"size": 1, "crc32": 0}
     path.write_text(json.dumps(manifest))
-    assert "names a file outside its directory: '../evil.bin'" in refusal(tmp_path, saved)
+    message = refusal(tmp_path, saved)
+    assert f"names a file outside its directory: {name!r}" in message
+    fault_report(
+        f"manifest names {name!r}",
+        "load refuses without opening it",
+        message,
+        "none (the load refuses)",
+    )
 
 
 def test_changed_topology_is_refused_naming_what_changed(tmp_path):
