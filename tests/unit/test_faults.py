@@ -211,7 +211,7 @@ def test_a_full_disk_at_startup_is_refused_before_or_while_reserving(tmp_path, f
     fault_report(
         "full disk at startup",
         "the free-space preflight refuses before writing; a reservation that fails anyway removes everything",
-        f"preflight: {str(preflight.value)[:90]}...; ENOSPC while reserving: {info.value}; scratch empty",
+        f"preflight: {str(preflight.value).split(':')[0]}; ENOSPC while reserving: {info.value}; scratch empty",
         "none (nothing had been written)",
     )
 
