@@ -16,6 +16,7 @@ from miles_plugins.optimizers.config import (
     DEFAULT_BUCKET_CAP_ELEMENTS,
     DEFAULT_BUCKETS_IN_FLIGHT,
     DEFAULT_IO_THREADS,
+    DEFAULT_IO_TIMEOUT_S,
     DEFAULT_STAGING_CHUNK_MB,
     ENGINES,
     MAIN_STORAGES,
@@ -79,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_BUCKET_CAP_ELEMENTS,
         help="most elements in one streaming bucket",
+    )
+    group.add_argument(
+        "--stream-optimizer-state-io-timeout",
+        type=float,
+        default=DEFAULT_IO_TIMEOUT_S,
+        help="seconds a bucket's transfers may take before the step fails (a hung drive; pipelined)",
     )
     group.add_argument(
         "--no-stream-optimizer-state-direct-io",
@@ -226,4 +233,5 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
         io_threads=_get(args, "stream_optimizer_state_io_threads", DEFAULT_IO_THREADS),
         direct_io=_get(args, "stream_optimizer_state_direct_io", True),
         main_storage=_get(args, "stream_optimizer_state_main_storage", "fp32"),
+        io_timeout_s=_get(args, "stream_optimizer_state_io_timeout", DEFAULT_IO_TIMEOUT_S),
     )

@@ -160,7 +160,6 @@ class FileBacking:
     used and a log line says so.
     """
 
-    kind = "disk"
     keeps_previous_state = True
     SLOTS = 2
 
@@ -256,7 +255,6 @@ class HostBacking:
     (device copies then run as DMA at full PCIe speed). One copy: a step writes
     in place (a second would double the host memory this tier exists to use)."""
 
-    kind = "host"
     keeps_previous_state = False
 
     def __init__(self, buckets: Sequence[BucketLayout], pin: bool) -> None:
@@ -273,10 +271,6 @@ class HostBacking:
                 0,
                 errno.ENOMEM,
             ) from exc
-
-    @classmethod
-    def bytes_needed(cls, buckets: Sequence[BucketLayout]) -> int:
-        return sum(b.file_size for b in buckets)
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> HostHandle:
         return HostHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")

@@ -193,3 +193,17 @@ def test_a_filesystem_refusing_direct_io_falls_back_to_buffered_with_a_log_line(
     streamed.step()
     streamed.step()
     streamed.close()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("io_timeout_s", 0, "io timeout must be a positive number of seconds"),
+        ("tier", "nvme", "unknown tier 'nvme'; choose one of disk, host"),
+        ("engine", "async", "unknown engine 'async'; choose one of pipelined, sync"),
+        ("main_storage", "bf16", "unknown main storage 'bf16'; choose one of fp32, remainder"),
+    ],
+)
+def test_bad_pipeline_settings_are_refused(tmp_path, field, value, message):
+    with pytest.raises(StreamConfigError, match=message):
+        StreamConfig(directory=str(tmp_path), **{field: value})

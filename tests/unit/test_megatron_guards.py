@@ -202,11 +202,13 @@ def test_tier_engine_and_format_flags_reach_the_stream_config(tmp_path):
         "--stream-optimizer-state-bucket-cap",
         "1000",
         "--no-stream-optimizer-state-direct-io",
+        "--stream-optimizer-state-io-timeout",
+        "30",
     )
     config = config_from_args(args, name="rank0")
     assert (config.tier, config.engine, config.main_storage) == ("host", "sync", "remainder")
     assert (config.buckets_in_flight, config.io_threads, config.bucket_cap_elements) == (5, 2, 1000)
-    assert config.direct_io is False
+    assert config.direct_io is False and config.io_timeout_s == 30.0
 
 
 @pytest.mark.parametrize(
