@@ -11,7 +11,9 @@ back), *retire* (wait for the writes, release everything). With the pipelined
 engine, bucket i+1 is being read and bucket i-1 written while bucket i
 computes; at most ``buckets_in_flight`` buckets are materialized at once, which
 bounds the optimizer state on the device. The sync engine is the same walk one
-bucket at a time.
+bucket at a time. On the disk tier a step reads one slot of each bucket and
+writes the other, and commits only after the last write: a step that fails part
+way is rolled back (see ``step``).
 """
 
 from __future__ import annotations
