@@ -344,13 +344,15 @@ class StreamingStore:
         ahead, self._prefetched = self._prefetched, deque()
         writing: deque[_Flight] = deque()
         current = None
-        updated: list[tuple[_Flight, dict]] = []  # buckets whose params this step changed, and their prior state
+        updated: list[tuple[_Flight, dict | None]] = []  # buckets whose params this step changed, their prior state
         try:
             for i in range(len(self.buckets)):
                 self._read_ahead(i + self.config.depth - 1, ahead, writing, stats)
                 current = ahead.popleft()
                 self._finish_fetch(current)
-                updated.append((current, current.optimizer.export_state()))
+                # The pre-update state a roll-back restores (not taken where none is possible).
+                prior = current.optimizer.export_state() if self._rollback_blocker is None else None
+                updated.append((current, prior))
                 self._compute(current)
                 self._start_store(current, stats)
                 writing.append(current)
@@ -380,7 +382,16 @@ class StreamingStore:
         )
         return stats
 
-    def _roll_back(self, updated: list[tuple[_Flight, dict]], exc: BaseException) -> None:
+    @property
+    def _rollback_blocker(self) -> str | None:
+        """Why a failed step cannot be rolled back, or None when it can."""
+        if not self._backing.keeps_previous_state:
+            return "the host tier writes in place"
+        if self.config.main_storage == "remainder":
+            return "remainder mains need the params the step overwrote"
+        return None
+
+    def _roll_back(self, updated: list[tuple[_Flight, dict | None]], exc: BaseException) -> None:
         """After a failed step: restore the pre-step state, or mark the store damaged."""
         failed = f"step {self.steps_taken + 1} failed ({exc})"
         if self._hung:
@@ -388,13 +399,8 @@ class StreamingStore:
             return
         if not updated:
             return  # no bucket was updated: nothing changed
-        if not self._backing.keeps_previous_state or self.config.main_storage == "remainder":
-            why = (
-                "the host tier writes in place"
-                if not self._backing.keeps_previous_state
-                else ("remainder mains need the params the step overwrote")
-            )
-            self._damaged = f"{failed} after updating {len(updated)} buckets, and {why}"
+        if self._rollback_blocker is not None:
+            self._damaged = f"{failed} after updating {len(updated)} buckets, and {self._rollback_blocker}"
             return
         try:
             for flight, prior in updated:

@@ -53,8 +53,8 @@ def _retry_and_finish(model, optimizer, scheduler, streamed) -> None:
     assert_same_training(_reference(), state_of(model, streamed))
 
 
-def _resume_from_checkpoint_matches(tmp_path, ckpt) -> None:
-    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+def _resume_from_checkpoint_matches(tmp_path, ckpt, **config) -> None:
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, **config)
     try:
         assert streamed.load_from(str(ckpt))
         train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
@@ -142,10 +142,11 @@ def test_a_hung_drive_times_out_and_the_last_checkpoint_resumes(tmp_path, fault_
     )
 
 
-def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, monkeypatch, fault_report):
+def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, monkeypatch, caplog, fault_report):
     from miles_plugins.optimizers import store as store_module
 
-    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, bucket_cap_elements=500)
     before = state_of(model, streamed)
     real = store_module._Residency.materialize
     calls = {"n": 0}
@@ -153,21 +154,24 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, mon
     def failing_materialize(self, t):
         # Simulated: a real device out-of-memory cannot be provoked safely here.
         calls["n"] += 1
-        if calls["n"] == 9:
+        if calls["n"] == 14:  # bucket 4 of 6: buckets 0 and 1 are updated by then
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, t)
 
     monkeypatch.setattr(store_module._Residency, "materialize", failing_materialize)
-    with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info:
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info, caplog.at_level(logging.WARNING):
         optimizer.step()
     monkeypatch.setattr(store_module._Residency, "materialize", real)
+    updated = _rolled_back_buckets(caplog)
+    assert updated >= 1, "the failure must come after some buckets were updated"
     assert_same_training(before, state_of(model, streamed))
     _retry_and_finish(model, optimizer, scheduler, streamed)
     streamed.close()
     fault_report(
         "device allocation fails mid-step",
         "the allocator's error; state and params back at the previous step",
-        f"{type(info.value).__name__}: {info.value}; rolled back; the retried run is byte-identical",
+        f"{type(info.value).__name__}: {info.value}; {updated} updated buckets rolled back; the retried run is "
+        "byte-identical",
         NONE_LOST,
     )
 
@@ -277,4 +281,43 @@ def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
         "load refuses, saying what is wrong",
         str(info.value).splitlines()[0],
         "none (the load refuses; the files are untouched)",
+    )
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        ({"tier": "host"}, "the host tier writes in place"),
+        ({"main_storage": "remainder"}, "remainder mains need the params the step overwrote"),
+    ],
+    ids=["host-tier", "remainder-mains"],
+)
+def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, monkeypatch, fault_report, config, why):
+    from miles_plugins.optimizers import store as store_module
+
+    config = {**config, "bucket_cap_elements": 500}  # small buckets: the failure comes after some updates
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
+    real = store_module._Residency.materialize
+    calls = {"n": 0}
+
+    def failing_materialize(self, t):
+        # Simulated device out-of-memory, after some buckets were updated.
+        calls["n"] += 1
+        if calls["n"] == 14:  # bucket 4 of 6: buckets 0 and 1 are updated by then
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(self, t)
+
+    monkeypatch.setattr(store_module._Residency, "materialize", failing_materialize)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step()
+    monkeypatch.setattr(store_module._Residency, "materialize", real)
+    with pytest.raises(RuntimeError, match=f"holds no consistent state: .*{why}"):
+        optimizer.step()
+    streamed.close()
+    _resume_from_checkpoint_matches(tmp_path, ckpt, **config)
+    fault_report(
+        f"a step fails part way ({'host tier' if 'host' in why else 'remainder mains'})",
+        "no roll-back possible: the store refuses to go on, saying why; the last checkpoint resumes",
+        f"the next step refused: ...after updating some buckets, and {why}; the last checkpoint resumes byte-identical",
+        "the steps since the last checkpoint (documented trade-off of this mode)",
     )
