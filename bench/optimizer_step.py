@@ -138,7 +138,8 @@ def _timed_steps(step, steps: int, device: torch.device) -> tuple[list[float], i
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from miles_plugins.optimizers.adam import backend_for
     from miles_plugins.optimizers.config import StreamConfig
-    from miles_plugins.optimizers.store import Entry, StreamingStore
+    from miles_plugins.optimizers.entries import Entry
+    from miles_plugins.optimizers.store import StreamingStore
 
     device = torch.device(args.device)
     params, grads = _model(args.params, device)
@@ -237,7 +238,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         out.update(
             bytes_read=store.last_step.bytes_read,
             bytes_written=store.last_step.bytes_written,
-            state_residency_bytes=store.max_resident_state_bytes,
+            state_residency_bytes=store.accounted_max_state_bytes,
         )
         store.close()
     elif mode == "resident":

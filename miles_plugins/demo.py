@@ -159,7 +159,7 @@ def train_streamed(device: torch.device, data: list, config: StreamConfig) -> di
             "buckets": len(store.buckets),
             "state_bytes_total": store.state_bytes_total,
             "bucket_bytes_max": store.bucket_bytes_max,
-            "max_resident_state_bytes": store.max_resident_state_bytes,
+            "accounted_max_state_bytes": store.accounted_max_state_bytes,
             "file_bytes_total": store.file_bytes_total,
             "bytes_read": store.total.bytes_read,
             "bytes_written": store.total.bytes_written,
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "buckets_in_flight": config.depth,
         "state_bytes_total": streamed["state_bytes_total"],
         "bucket_bytes_max": streamed["bucket_bytes_max"],
-        "max_resident_state_bytes": streamed["max_resident_state_bytes"],
+        "accounted_max_state_bytes": streamed["accounted_max_state_bytes"],
         "file_bytes_total": streamed["file_bytes_total"],
         "bytes_read": streamed["bytes_read"],
         "bytes_written": streamed["bytes_written"],
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"state: {report['state_bytes_total']:,} bytes in {report['buckets']} buckets "
-        f"(largest {report['bucket_bytes_max']:,}); at most {report['max_resident_state_bytes']:,} "
+        f"(largest {report['bucket_bytes_max']:,}); at most {report['accounted_max_state_bytes']:,} "
         f"materialized at once"
     )
     verdict = "bit-identical" if identical else "NOT bit-identical"

@@ -14,10 +14,12 @@ by the torch-free ``python -m megatron_hooks drift``) does not import torch.
 import importlib
 
 _EXPORTS = {
-    "StepStats": "miles_plugins.optimizers.store",
+    "CheckpointMismatchError": "miles_plugins.optimizers.errors",
+    "StepStats": "miles_plugins.optimizers.entries",
+    "StoreUnusableError": "miles_plugins.optimizers.errors",
     "StreamConfig": "miles_plugins.optimizers.config",
-    "StreamConfigError": "miles_plugins.optimizers.config",
-    "StreamIOError": "miles_plugins.optimizers.io",
+    "StreamConfigError": "miles_plugins.optimizers.errors",
+    "StreamIOError": "miles_plugins.optimizers.errors",
     "StreamedOptimizer": "miles_plugins.optimizers.torch_front",
     "StreamingStore": "miles_plugins.optimizers.store",
 }

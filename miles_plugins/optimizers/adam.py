@@ -19,11 +19,13 @@ have a backend here.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers.config import StreamConfigError
+from miles_plugins.optimizers.errors import StreamConfigError
 
 
 class BucketOptimizer:
@@ -45,34 +47,89 @@ class BucketOptimizer:
             return None
         return state["exp_avg"], state["exp_avg_sq"]
 
-    # ---- the small state a checkpoint carries beside the moment bytes ----------
+    # ---- the small state beside the moment bytes: step counts --------------------
+
+    def snapshot(self) -> _Snapshot:
+        """The state a failed step must go back to (step counts and other small
+        per-param and per-group state; the moment bytes are in the committed
+        slot). Device-side scalars (fused or capturable torch Adam keep the step
+        count on the device) are cloned there: no host synchronization."""
+        groups = [{k: _clone(group[k]) for k in self.backend.group_state_keys if k in group} for group in self._groups]
+        params = [
+            [
+                None
+                if not (state := self.optimizer.state.get(p))
+                else _scalars(state, lambda key, value: _clone(value))
+                for p in group["params"]
+            ]
+            for group in self._groups
+        ]
+        return _Snapshot(groups, params)
+
+    def restore(self, snapshot: _Snapshot) -> None:
+        """Go back to :meth:`snapshot`'s state. Moments keep their tensors (their
+        storage released; their bytes are re-read from storage); moments an entry
+        got since the snapshot (its first update) are dropped with its state."""
+        for group, saved_group, saved_params in zip(self._groups, snapshot.groups, snapshot.params, strict=True):
+            group.update({k: _unclone(v) for k, v in saved_group.items()})
+            for p, scalars in zip(group["params"], saved_params, strict=True):
+                if scalars is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p].update({k: _unclone(v) for k, v in scalars.items()})
 
     def export_state(self) -> dict:
-        """Everything but the moment bytes, as JSON: the per-group step state and,
-        per param, None (no update yet) or its scalar entries (torch's ``step``)."""
-        groups, params = [], []
-        for group in self.optimizer.param_groups:
-            groups.append({k: group[k] for k in sorted(self.backend.group_state_keys) if k in group})
-            params.append([_export_param_state(self.optimizer.state.get(p), p) for p in group["params"]])
-        return {"groups": groups, "params": params}
+        """:meth:`snapshot` as JSON, for a checkpoint's manifest: per group its step
+        state, per param None (no update yet) or its scalars (torch's ``step``)."""
+        return {
+            "groups": [
+                {k: group[k] for k in sorted(self.backend.group_state_keys) if k in group} for group in self._groups
+            ],
+            "params": [
+                [
+                    None if not (state := self.optimizer.state.get(p)) else _scalars(state, _to_json)
+                    for p in group["params"]
+                ]
+                for group in self._groups
+            ],
+        }
+
+    def check_state(self, saved: object) -> list[str]:
+        """What keeps :meth:`export_state`'s output ``saved`` from fitting this
+        optimizer (group and param counts, value types); empty when it fits.
+        Changes nothing."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("groups"), list):
+            return ["its optimizer state is not an object with 'groups' and 'params'"]
+        groups, params = saved["groups"], saved.get("params")
+        if len(groups) != len(self._groups) or not isinstance(params, list) or len(params) != len(self._groups):
+            return [f"{len(groups)} saved param groups, {len(self._groups)} live"]
+        problems = []
+        for index, (group, saved_group, saved_params) in enumerate(zip(self._groups, groups, params, strict=True)):
+            if not isinstance(saved_group, dict) or not set(saved_group) <= self.backend.group_state_keys:
+                problems.append(f"group {index}: unexpected group state {saved_group!r}")
+            elif not all(_is_number(v) for v in saved_group.values()):
+                problems.append(f"group {index}: group state {saved_group!r} is not numeric")
+            if not isinstance(saved_params, list) or len(saved_params) != len(group["params"]):
+                count = len(saved_params) if isinstance(saved_params, list) else saved_params
+                problems.append(f"group {index}: {count} saved params in a group of {len(group['params'])}")
+                continue
+            for k, scalars in enumerate(saved_params):
+                if scalars is not None and not _valid_scalars(scalars):
+                    problems.append(f"group {index}, param {k}: unreadable state {_short(scalars)}")
+        return problems
 
     def import_state(self, saved: dict, materialize: bool) -> None:
-        """Restore :meth:`export_state`'s output. Moments are recreated as fp32
-        tensors of each main's shape, zero-filled when ``materialize`` (the caller
-        then reads their bytes), with their storage released otherwise."""
-        if len(saved["groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"{len(saved['groups'])} saved param groups, {len(self.optimizer.param_groups)} live")
-        for group, saved_group, saved_params in zip(
-            self.optimizer.param_groups, saved["groups"], saved["params"], strict=True
-        ):
-            if len(saved_params) != len(group["params"]):
-                raise ValueError(f"{len(saved_params)} saved params in a group of {len(group['params'])}")
+        """Restore :meth:`export_state`'s output (checked by :meth:`check_state`).
+        Moments are recreated as fp32 tensors of each main's shape, zero-filled
+        when ``materialize`` (the caller then reads their bytes), with their
+        storage released otherwise."""
+        for group, saved_group, saved_params in zip(self._groups, saved["groups"], saved["params"], strict=True):
             group.update(saved_group)
             for p, scalars in zip(group["params"], saved_params, strict=True):
                 if scalars is None:
                     self.optimizer.state.pop(p, None)
                     continue
-                state = {k: _import_scalar(v, p) for k, v in scalars.items()}
+                state = {k: _from_json(v, p) for k, v in scalars.items()}
                 for name in ("exp_avg", "exp_avg_sq"):
                     moment = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                     if not materialize:
@@ -80,39 +137,92 @@ class BucketOptimizer:
                     state[name] = moment
                 self.optimizer.state[p] = state
 
+    @property
+    def _groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+
+@dataclass
+class _Snapshot:
+    groups: list[dict]
+    params: list[list[dict | None]]
+
 
 _MOMENT_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
-def _export_param_state(state: dict | None, param: torch.Tensor) -> dict | None:
-    if not state:
-        return None
-    out = {}
-    for key, value in state.items():
-        if key in _MOMENT_KEYS:
-            continue
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise StreamConfigError(
-                    f"optimizer state {key!r} is a tensor of {value.numel()} elements, not a scalar"
-                )
-            # Where torch keeps the step (CPU, or the param's device for fused and
-            # capturable steps) is part of the state: restored exactly as it was.
-            on_param_device = value.device == param.device and value.device.type != "cpu"
-            out[key] = {"value": value.item(), "dtype": str(value.dtype), "on_param_device": on_param_device}
-        elif isinstance(value, (int, float, bool)):
-            out[key] = value
-        else:
-            raise StreamConfigError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
-    return out
+def _scalars(state: dict, convert) -> dict:
+    """Every entry of a param's state but its moments, through ``convert``."""
+    return {key: convert(key, value) for key, value in state.items() if key not in _MOMENT_KEYS}
 
 
-def _import_scalar(value, param: torch.Tensor):
+@dataclass(frozen=True)
+class _HostScalar:
+    """A host (CPU) scalar tensor's value, kept as a number: cloning it would scatter
+    tiny allocations between the buckets' large ones (host-memory fragmentation)."""
+
+    value: int | float | bool
+    dtype: torch.dtype
+
+
+def _clone(value):
+    """A copy of one piece of small state that never synchronizes with the device:
+    a device tensor is cloned on the device; a host scalar is read (no device involved)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device.type == "cpu" and value.numel() == 1:
+        return _HostScalar(value.item(), value.dtype)
+    return value.clone()
+
+
+def _unclone(value):
+    return torch.tensor(value.value, dtype=value.dtype) if isinstance(value, _HostScalar) else value
+
+
+def _to_json(key: str, value):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise StreamConfigError(f"optimizer state {key!r} is a tensor of {value.numel()} elements, not a scalar")
+        # Where torch keeps the step (CPU, or the param's device for fused and
+        # capturable steps) is part of the state: restored exactly as it was.
+        return {"value": value.item(), "dtype": str(value.dtype), "on_param_device": value.device.type != "cpu"}
+    if isinstance(value, (int, float, bool)):
+        return value
+    raise StreamConfigError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
+
+
+def _from_json(value, param: torch.Tensor):
     if not isinstance(value, dict):
         return value
     dtype = getattr(torch, value["dtype"].removeprefix("torch."))
     device = param.device if value["on_param_device"] else "cpu"
     return torch.tensor(value["value"], dtype=dtype, device=device)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float))  # bool included
+
+
+def _valid_scalars(scalars) -> bool:
+    if not isinstance(scalars, dict):
+        return False
+    for value in scalars.values():
+        if isinstance(value, dict):
+            dtype = value.get("dtype")
+            if set(value) != {"value", "dtype", "on_param_device"} or not _is_number(value["value"]):
+                return False
+            if not isinstance(dtype, str) or not isinstance(
+                getattr(torch, dtype.removeprefix("torch."), None), torch.dtype
+            ):
+                return False
+        elif not _is_number(value):
+            return False
+    return True
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 class AdamBackend:
@@ -244,3 +354,30 @@ def backend_for(master: torch.optim.Optimizer) -> AdamBackend:
         f"cannot stream the state of {type(master).__module__}.{type(master).__qualname__}: "
         f"the per-bucket step must reproduce its exact math, which is known for {supported}"
     )
+
+
+def bind_master(master: torch.optim.Optimizer, step, *, checkpoint_with: str) -> None:
+    """Route ``master``'s own entry points to the streamed state, on this instance only.
+
+    The master optimizer holds no state once its state streams: its ``step``
+    becomes ``step()`` (the streamed step), and ``state_dict`` /
+    ``load_state_dict`` refuse (they would claim a state without moments or
+    mains). ``checkpoint_with`` tells the caller how to checkpoint instead.
+    """
+
+    def streamed_step(self: torch.optim.Optimizer, closure: None = None):
+        if closure is not None:
+            raise StreamConfigError("a streamed optimizer step takes no closure: compute the loss before step()")
+        return step()
+
+    def refuse_state_dict(self: torch.optim.Optimizer, *args, **kwargs):
+        raise StreamConfigError(
+            "this optimizer's state is streamed: its state_dict would hold none of the moments "
+            f"or fp32 mains; checkpoint it with {checkpoint_with}"
+        )
+
+    # Bound as methods of the instance (not of the class): LR schedulers re-wrap
+    # `step` through its __func__, which must take the optimizer as first argument.
+    master.step = types.MethodType(streamed_step, master)
+    master.state_dict = types.MethodType(refuse_state_dict, master)
+    master.load_state_dict = types.MethodType(refuse_state_dict, master)

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from miles_plugins.optimizers.errors import StreamConfigError
 
-# On-disk dtypes for the Adam moments. Mains are always stored as fp32: they are
-# the optimizer's source of truth and must round-trip exactly.
+# Storage dtypes for the Adam moments (they always compute in fp32). Mains are
+# stored as fp32 or as remainders (MAIN_STORAGES): they must round-trip exactly.
 MOMENT_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8e4m3": torch.float8_e4m3fn,
-    "fp8e5m2": torch.float8_e5m2,
 }
 
-# fp8 and fp16 have too little range for exp_avg_sq (squared gradients span many
-# decades, far below fp16's 6e-8 smallest subnormal) unless it is scaled, which
-# this store does not do: an underflowed exp_avg_sq turns the update into m / eps.
-UNSAFE_MOMENT_DTYPES = frozenset({"fp16", "fp8e4m3", "fp8e5m2"})
+# Moment dtypes earlier versions offered, and why they are gone. Unscaled, they
+# cannot hold exp_avg_sq (squared gradients span many decades: they underflow
+# fp16's 6e-8 and fp8's range, and the update becomes m / eps): the demo went
+# from loss 6.5 to 1.2e9 with fp8e4m3 and to 644 with fp16 in 200 steps.
+# A checkpoint that stored one is refused on load with this reason.
+REMOVED_MOMENT_DTYPES: dict[str, str] = {
+    name: "unscaled, it cannot hold exp_avg_sq (squared gradients underflow its range) and training diverges"
+    for name in ("fp16", "fp8e4m3", "fp8e5m2")
+}
 
 # Where the streamed state lives between steps: per-bucket files (node-local NVMe)
 # or pinned host memory.
@@ -38,7 +39,8 @@ ENGINES = ("pipelined", "sync")
 MAIN_STORAGES = ("fp32", "remainder")
 
 # 64M elements per streaming bucket: 768 MB of fp32 state while it is on the device.
-# I/O efficiency comes from the request size and the requests in flight, not from
+# Not a hard cap: a param is never split, so one larger than the cap gets a bucket
+# of its own. I/O efficiency comes from the request size and the requests in flight, not from
 # the bucket size; smaller buckets make the pipeline's fill and drain (the first
 # read and the last write, which nothing overlaps) a small share of the step.
 DEFAULT_BUCKET_CAP_ELEMENTS = 64_000_000
@@ -64,10 +66,6 @@ DEFAULT_STAGING_CHUNK_MB = 16
 DEFAULT_RESIDENT_WARN_ELEMENTS = 16_000_000
 
 
-class StreamConfigError(ValueError):
-    """A streaming setting that cannot work; the message says which and why."""
-
-
 @dataclass(frozen=True)
 class StreamConfig:
     """What to stream, where, and in which format.
@@ -77,10 +75,13 @@ class StreamConfig:
             tier). Must be creatable and writable; node-local NVMe is the
             intended place.
         moment_dtype: storage dtype of the Adam moments, one of
-            ``MOMENT_DTYPES`` (``fp32`` is bit-exact; the others are a storage
-            format only, the step still computes in fp32).
-        bucket_cap_elements: the most elements in one streaming bucket. A single
-            param larger than the cap gets a bucket of its own.
+            ``MOMENT_DTYPES``: ``fp32`` is bit-exact; ``bf16`` halves their
+            bytes (a storage format only: the step still computes in fp32).
+        bucket_cap_elements: the most elements in one streaming bucket, except
+            that a param is never split: one larger than the cap gets a bucket
+            of its own. Buckets bound the optimizer state on the device
+            (``buckets_in_flight`` of them at once): a cap so large that every
+            bucket is in flight at once is warned about.
         staging_chunk_mb: size of one transfer request and of each host staging
             chunk; host memory used for streaming is bounded by the chunks
             (``staging_bytes_total``).
@@ -99,8 +100,6 @@ class StreamConfig:
             per main instead of 4, still bit-exact).
         io_timeout_s: pipelined engine: the longest a bucket's transfers may
             take before the step fails (a hung drive).
-        allow_fresh_state: when a checkpoint being loaded holds no streamed
-            state, start the optimizer fresh instead of refusing.
         resident_warn_elements: warn when fp32-native params (kept resident)
             exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable
@@ -111,7 +110,6 @@ class StreamConfig:
     moment_dtype: str = "fp32"
     bucket_cap_elements: int = DEFAULT_BUCKET_CAP_ELEMENTS
     staging_chunk_mb: int = DEFAULT_STAGING_CHUNK_MB
-    allow_fresh_state: bool = False
     resident_warn_elements: int = DEFAULT_RESIDENT_WARN_ELEMENTS
     name: str = "rank0"
     tier: str = "disk"
@@ -127,6 +125,11 @@ class StreamConfig:
             raise StreamConfigError(
                 f"directory must be a non-empty path, got {self.directory!r}; "
                 "point it at node-local NVMe, e.g. /scratch/optimizer_state"
+            )
+        if self.moment_dtype in REMOVED_MOMENT_DTYPES:
+            raise StreamConfigError(
+                f"moment dtype {self.moment_dtype!r} is no longer offered: "
+                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; use bf16 for compact moments"
             )
         if self.moment_dtype not in MOMENT_DTYPES:
             raise StreamConfigError(
@@ -162,13 +165,6 @@ class StreamConfig:
             raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
-        if self.moment_dtype in UNSAFE_MOMENT_DTYPES:
-            logger.warning(
-                "moment dtype %s is not safe for exp_avg_sq without scaling: squared "
-                "gradients underflow or saturate its range; expect divergence. "
-                "Use bf16 for a compact format.",
-                self.moment_dtype,
-            )
 
     @property
     def moment_torch_dtype(self) -> torch.dtype:

@@ -30,25 +30,11 @@ from collections.abc import Sequence
 
 import torch
 
+from miles_plugins.optimizers.errors import StreamIOError, StreamIOTimeout
+from miles_plugins.optimizers.fs import open_file
 from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout, align_up
 
 logger = logging.getLogger(__name__)
-
-
-class StreamIOError(OSError):
-    """A read or write of a bucket file that could not complete.
-
-    ``path`` and ``offset`` name where it failed; ``errno`` carries the OS error
-    when there was one.
-    """
-
-    def __init__(self, message: str, path: str, offset: int, err: int | None = None) -> None:
-        super().__init__(err if err is not None else errno.EIO, message)
-        self.path = path
-        self.offset = offset
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 class HostMemory:
@@ -92,13 +78,6 @@ class HostMemory:
 _HOST_REGISTER_PORTABLE = 1
 
 
-def _open(path: str, flags: int, mode: int = 0o600) -> int:
-    try:
-        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-    except OSError as exc:
-        raise StreamIOError(f"cannot open bucket file {path}: {exc.strerror}", path, 0, exc.errno) from exc
-
-
 class FileHandle:
     """A bucket's files opened for one pass: ``read`` from ``read_path``, ``write``
     to ``write_path`` (the same file, or the other slot). Each call moves one
@@ -109,9 +88,9 @@ class FileHandle:
         self.read_path, self.write_path = read_path, write_path
         self.direct = direct
         flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
-        self.read_fd = _open(read_path, flags)
+        self.read_fd = open_file(read_path, flags)
         try:
-            self.write_fd = self.read_fd if write_path == read_path else _open(write_path, flags)
+            self.write_fd = self.read_fd if write_path == read_path else open_file(write_path, flags)
         except BaseException:
             os.close(self.read_fd)
             raise
@@ -169,7 +148,7 @@ class FileBacking:
         for bucket in buckets:
             for slot in range(self.SLOTS):
                 path = self.path(bucket, slot)
-                fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
                 try:
                     os.posix_fallocate(fd, 0, bucket.file_size)
                 except OSError as exc:
@@ -208,8 +187,9 @@ class FileBacking:
             handle.close()
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
-        """Copy the bucket's bytes from an open file into the committed slot; returns their CRC-32."""
-        handle = self.open(bucket, in_place=True)
+        """Copy the bucket's bytes from an open file into the spare slot (the live state
+        is untouched until :meth:`commit`); returns their CRC-32."""
+        handle = self.open(bucket)
         try:
             return copy_file_crc32(src_fd, src_path, handle.write_fd, handle.write_path, bucket.file_size, buffer.view)
         finally:
@@ -284,6 +264,8 @@ class HostBacking:
         return zlib.crc32(data)
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
+        """Copy the bucket's bytes from an open file into its buffer, in place (the
+        host tier has no spare); returns their CRC-32."""
         data = self.buffers[bucket.index].view
         pread_full(src_fd, src_path, 0, data)
         return zlib.crc32(data)
@@ -300,15 +282,12 @@ class HostBacking:
 Transfer = tuple[int, torch.Tensor]
 
 
-class StreamIOTimeout(StreamIOError):
-    """Transfers that did not finish in time (a hung drive). They may still be
-    running: the memory they target must not be reused."""
-
-
 class Ticket:
     """Transfers submitted together; ``wait()`` returns when all are done and
     raises the first failure (after every transfer has stopped touching memory),
-    or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``."""
+    or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``
+    (or the ``timeout_s`` given to that wait: an abort after a failure waits
+    only for what is left of its own deadline)."""
 
     def __init__(
         self, futures: Sequence[concurrent.futures.Future] = (), name: str = "", timeout_s: float | None = None
@@ -317,11 +296,12 @@ class Ticket:
         self._name = name
         self._timeout_s = timeout_s
 
-    def wait(self) -> None:
-        _, pending = concurrent.futures.wait(self._futures, timeout=self._timeout_s)
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
         if pending:
             raise StreamIOTimeout(
-                f"I/O on {self._name} did not complete within {self._timeout_s:g} s: {len(pending)} of "
+                f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
                 f"{len(self._futures)} requests still pending (a hung drive?)",
                 self._name,
                 0,

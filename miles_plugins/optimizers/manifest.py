@@ -10,26 +10,40 @@ A saved store is one directory::
 The manifest records everything a load must match before it touches the live
 state: the format version, the on-disk dtypes, the layout (buckets, per-entry
 sizes, file sizes), the parallel topology (sizes and this rank's coordinates),
-the optimizer's step counts and its small per-param state, and a size and
-CRC-32 per file.
+the optimizer's step counts and its small per-param state, a size and CRC-32
+per file, and (from format version 2) a CRC-32 of the manifest itself, so a
+damaged or edited manifest is refused before anything in it is believed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
+from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.fs import open_file
+
+logger = logging.getLogger(__name__)
+
 FORMAT = "miles.streamed_optimizer_state"
-FORMAT_VERSION = 1
+# 2: the manifest carries its own checksum. Version 1 manifests still load
+# (without that check), so checkpoints written before it stay usable.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+CHECKSUM_KEY = "manifest_crc32"
 MANIFEST_NAME = "manifest.json"
 RESIDENT_FILE = "resident.bin"
 
 
-class CheckpointMismatchError(RuntimeError):
-    """A saved streamed state that cannot be loaded into this store; the message says
-    every way it differs (dtype, layout, topology, checksum, ...)."""
+def checksum(data: dict[str, Any]) -> int:
+    """CRC-32 of the manifest's canonical JSON, its own checksum left out."""
+    body = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 @dataclass
@@ -44,16 +58,20 @@ class Manifest:
         return self.data["files"]
 
     def write(self, directory: str) -> None:
-        """Write the manifest durably into ``directory`` (the save's last file)."""
-        path = os.path.join(directory, MANIFEST_NAME)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Write the manifest durably into ``directory`` (the save's last file),
+        with its own checksum."""
+        data = {**self.data, "format": FORMAT, "format_version": FORMAT_VERSION}
+        data[CHECKSUM_KEY] = checksum(data)
+        fd = open_file(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
-            json.dump(self.data, f, indent=1, sort_keys=True)
+            json.dump(data, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
 
     @classmethod
     def read(cls, directory: str) -> Manifest:
+        """Parse and verify ``directory``'s manifest: its format, its own checksum,
+        and the shape of its file table. Its content is compared by the caller."""
         path = os.path.join(directory, MANIFEST_NAME)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -65,20 +83,38 @@ class Manifest:
         with os.fdopen(fd) as f:
             try:
                 data = json.load(f)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise CheckpointMismatchError(f"{path} is not valid JSON ({exc}); the checkpoint is damaged") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointMismatchError(f"{path} is not a streamed optimizer state manifest")
-        if data.get("format_version") != FORMAT_VERSION:
+        version = data.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise CheckpointMismatchError(
-                f"{path} has format version {data.get('format_version')!r}; this version reads {FORMAT_VERSION}"
+                f"{path} has format version {version!r}; this version reads {', '.join(map(str, READABLE_VERSIONS))}"
             )
-        manifest = cls(data)
-        for name in manifest.files:
+        if version >= 2 and data.get(CHECKSUM_KEY) != checksum(data):
+            raise CheckpointMismatchError(
+                f"{path} fails its own checksum ({CHECKSUM_KEY} {data.get(CHECKSUM_KEY)!r}, computed "
+                f"{checksum(data)}): the manifest was damaged or edited; the checkpoint cannot be trusted"
+            )
+        if version < 2:
+            logger.info("%s is a format-%d manifest: it carries no checksum of its own", path, version)
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(_valid_file_entry(v) for v in files.values()):
+            raise CheckpointMismatchError(f"{path} has a malformed file table; the checkpoint is damaged")
+        for name in files:
             # A file name must stay inside the directory: no separators, no dot names.
             if not name or os.sep in name or name in (".", "..") or name.startswith("."):
                 raise CheckpointMismatchError(f"{path} names a file outside its directory: {name!r}")
-        return manifest
+        return cls(data)
+
+
+def _valid_file_entry(entry: object) -> bool:
+    return (
+        isinstance(entry, dict)
+        and set(entry) == {"size", "crc32"}
+        and all(type(v) is int and v >= 0 for v in entry.values())
+    )
 
 
 # The manifest fields a load compares with the live store, and how to name them.
@@ -104,7 +140,13 @@ def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
     for key, label in COMPARED_FIELDS:
         if saved.get(key) == live.get(key):
             continue
-        if key == "layout":
+        if key == "moment_dtype" and saved.get(key) in REMOVED_MOMENT_DTYPES:
+            found.append(
+                f"the checkpoint stores its moments as {saved[key]}, which this version no longer reads: "
+                f"{REMOVED_MOMENT_DTYPES[saved[key]]}. Start the optimizer fresh from the checkpoint's params "
+                "(--no-load-optim), or resume it with the version that wrote it"
+            )
+        elif key == "layout":
             found.append(_layout_difference(saved.get(key) or [], live.get(key) or []))
         elif key == "topology":
             s, v = saved.get(key) or {}, live.get(key) or {}

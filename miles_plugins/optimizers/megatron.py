@@ -51,11 +51,13 @@ import torch
 from megatron_hooks import fingerprint
 from megatron_hooks.checkpoint import check_patched
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.manifest import CheckpointMismatchError
+from miles_plugins.optimizers.adam import backend_for, bind_master
+from miles_plugins.optimizers.args import refusals_of_optimizer
+from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.entries import Entry, StepStats
+from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
 from miles_plugins.optimizers.pins import PINS
-from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore, bind_master
+from miles_plugins.optimizers.store import StreamingStore
 
 logger = logging.getLogger(__name__)
 
@@ -107,66 +109,11 @@ def chained_distributed_optimizers(optimizer: Any) -> list[tuple[int, Any]]:
     return found
 
 
-# (predicate over the optimizer, why streaming cannot work with it). Fields some
-# Megatron commits lack are read with getattr and a default.
-_GUARDS = [
-    (
-        lambda o: getattr(o.config, "use_precision_aware_optimizer", False),
-        "use_precision_aware_optimizer is on: the optimizer then holds the mains itself, "
-        "Megatron holds no fp32 mains to stream",
-    ),
-    (
-        lambda o: getattr(o.config, "optimizer_cpu_offload", False),
-        "optimizer_cpu_offload is on: HybridDeviceOptimizer already keeps the state on the host; use one or the other",
-    ),
-    (
-        lambda o: (
-            getattr(o.config, "offload_optimizer_states", False)
-            or getattr(o.ddp_config, "offload_optimizer_states", False)
-        ),
-        "offload_optimizer_states is on: it moves the same state between phases, which streaming "
-        "already keeps off the GPU",
-    ),
-    (
-        lambda o: (
-            getattr(o.config, "chunked_optimizer_state_offload", False)
-            or getattr(o.ddp_config, "chunked_optimizer_state_offload", False)
-        ),
-        "chunked_optimizer_state_offload is on: it moves the same state; use one or the other",
-    ),
-    (
-        lambda o: getattr(o.ddp_config, "use_megatron_fsdp", False),
-        "Megatron FSDP is on: it owns the main weights and the optimizer state itself",
-    ),
-    (
-        lambda o: getattr(o.ddp_config, "fp8_param_gather", False) or getattr(o.ddp_config, "fp4_param_gather", False),
-        "fp8/fp4 params are on (fp8_param_gather / fp4_param_gather): their mains are quantized into the "
-        "param buffer by a separate path this binding does not reproduce",
-    ),
-    (
-        lambda o: getattr(o.config, "reuse_grad_buf_for_mxfp8_param_ag", False),
-        "reuse_grad_buf_for_mxfp8_param_ag is on: mains are copied into the grad buffer outside the "
-        "step, reading every main at once",
-    ),
-    (
-        lambda o: (getattr(o.config, "optimizer", "adam") or "adam") != "adam",
-        "the optimizer is {optimizer!r}: the per-bucket step reproduces Adam's math only",
-    ),
-    (
-        lambda o: any(o.optimizer.state.values()),
-        "the optimizer already holds state (it has stepped): set streaming up right after "
-        "get_megatron_optimizer(), or its resident moments stay allocated beside the stream",
-    ),
-]
-
-
 def check_supported(dist_opt: Any) -> None:
-    """Refuse (all reasons at once) a ``DistributedOptimizer`` streaming cannot serve."""
-    reasons = [
-        why.format(optimizer=getattr(dist_opt.config, "optimizer", None))
-        for refuses, why in _GUARDS
-        if refuses(dist_opt)
-    ]
+    """Refuse (all reasons at once) a ``DistributedOptimizer`` streaming cannot serve:
+    the refusals of ``args.REFUSALS`` that can be seen on a built optimizer, and an
+    inner optimizer whose exact update no backend reproduces."""
+    reasons = refusals_of_optimizer(dist_opt)
     try:
         backend_for(dist_opt.optimizer)
     except StreamConfigError as e:
@@ -210,18 +157,23 @@ class MegatronBinding:
             topology=self._topology(),
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook
-        # has restored the files it promises.
+        # has restored the files it promises (it stays set when that load fails).
         self._awaiting_state: dict | None = None
+        self._load_failure: str | None = None
         self._bind()
 
     # ---- the store contract (called by the checkpoint hooks) -------------------
 
     def step(self) -> StepStats:
         if self._awaiting_state is not None:
-            raise RuntimeError(
-                "the optimizer's state dict was loaded from a checkpoint, but its streamed state was not: the "
-                "load hook in megatron/training/checkpointing.py did not run (is this the patched tree?). "
-                "Stepping now would apply Adam to the initial mains"
+            why = (
+                f"its load failed ({self._load_failure})"
+                if self._load_failure
+                else "the load hook in megatron/training/checkpointing.py did not run (is this the patched tree?)"
+            )
+            raise StoreUnusableError(
+                f"the optimizer's state dict was loaded from a checkpoint, but its streamed state was not: {why}. "
+                "Stepping now would apply Adam to mains that do not belong to the loaded params"
             )
         return self.store.step()
 
@@ -236,7 +188,7 @@ class MegatronBinding:
         self.store.save_to(base_dir)
 
     def load_from(self, base_dir: str) -> bool:
-        expected, self._awaiting_state = self._awaiting_state, None
+        expected = self._awaiting_state
         if expected is None:
             # Megatron did not load the optimizer state (--no-load-optim, --finetune, a
             # release checkpoint): the mains were rebuilt from the loaded params.
@@ -245,18 +197,19 @@ class MegatronBinding:
                 self.store.config.name,
             )
             return False
-        if not self.store.load_from(base_dir):
-            raise CheckpointMismatchError(
-                f"the checkpoint's optimizer state dict says its state was streamed (step "
-                f"{expected['steps_taken']}), but {base_dir} holds no state for {self.store.config.name}: the "
-                "files were removed, or this run's ranks or chain differ from the run that saved it"
-            )
-        if self.store.steps_taken != expected["steps_taken"]:
-            raise CheckpointMismatchError(
-                f"{base_dir}/{self.store.config.name} holds the state after step {self.store.steps_taken}, the "
-                f"checkpoint's optimizer state dict was saved after step {expected['steps_taken']}: they come "
-                "from different saves"
-            )
+        try:
+            loaded = self.store.load_from(base_dir, expected_steps=expected["steps_taken"])
+            if not loaded:
+                raise CheckpointMismatchError(
+                    f"the checkpoint's optimizer state dict says its state was streamed (step "
+                    f"{expected['steps_taken']}), but {base_dir} holds no state for {self.store.config.name}: the "
+                    "files were removed, or this run's ranks or chain differ from the run that saved it"
+                )
+        except BaseException as exc:
+            # The params and group options are the checkpoint's, the mains are not: stay armed.
+            self._load_failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise
+        self._awaiting_state = self._load_failure = None
         return True
 
     def _topology(self) -> dict[str, int]:
@@ -353,7 +306,12 @@ class MegatronBinding:
 
     def _bind(self) -> None:
         opt, store = self.dist_opt, self.store
-        bind_master(opt.optimizer, self, read_state_with="MegatronBinding.iter_state()")
+        bind_master(
+            opt.optimizer,
+            self.step,
+            checkpoint_with="Megatron's save_checkpoint / load_checkpoint on a patched tree (their hooks "
+            "call the store's save_to / load_from)",
+        )
         upstream_step_with_ready_grads = opt.step_with_ready_grads
         upstream_prepare_grads = opt.prepare_grads
 

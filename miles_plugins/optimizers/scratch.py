@@ -1,4 +1,4 @@
-"""The per-process scratch directory that holds the bucket files.
+"""The per-process scratch directory that holds the bucket files, and its cleanup.
 
 Layout under the configured directory::
 
@@ -8,55 +8,47 @@ Layout under the configured directory::
 The subdirectory is named per rank, not per pid, so a restart of the same rank
 finds and purges what a killed run left behind. The lock makes a second process
 pointed at the same name refuse instead of corrupting the first one's state.
+
+The scratch goes away at ``close()``, at interpreter exit, and on SIGTERM (the
+way schedulers stop jobs): see :func:`_on_sigterm`. What a SIGKILL leaves is
+reclaimed by the next run of the same rank, or by the purge command a job
+epilog can run::
+
+    python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]
+
+It removes only scratch whose lock no process holds, owned by the caller,
+never following symlinks, and says what it removed. No torch is imported.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import contextlib
 import fcntl
 import logging
 import os
-import shutil
+import signal
 import stat
+import sys
+import threading
 
-from miles_plugins.optimizers.config import StreamConfigError
+from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
+from miles_plugins.optimizers.fs import (
+    check_plain_dir,
+    filesystem_type,
+    format_bytes,
+    nearest_existing,
+    remove_private_dir,
+    require_free_space,
+)
 
 logger = logging.getLogger(__name__)
 
 RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem holding ``path``, from /proc/mounts (Linux)."""
-    real = os.path.realpath(path)
-    best, best_type = "", None
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount_point = fields[1].replace("\\040", " ")
-                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best):
-                    best, best_type = mount_point, fields[2]
-    except OSError:
-        return None
-    return best_type
-
-
-def _format_bytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+# Written into every lock file: the purge command removes only scratch whose
+# lock file says it is one (a stray ".x.lock" beside a directory "x" is not).
+LOCK_MARKER = b"miles optimizer-state scratch lock\n"
 
 
 class ScratchDir:
@@ -65,13 +57,13 @@ class ScratchDir:
     Construction checks before writing anything (directory creatable and
     writable, ``needed_bytes`` free), then takes the lock, purges what a previous
     run of the same name left, and creates the subdirectory. ``remove()`` (also
-    run at interpreter exit) deletes it and releases the lock.
+    run at interpreter exit and on SIGTERM) deletes it and releases the lock.
     """
 
     def __init__(self, directory: str, name: str, needed_bytes: int) -> None:
         self.directory = os.path.abspath(directory)
         self.path = os.path.join(self.directory, name)
-        self._lock_path = os.path.join(self.directory, f".{name}.lock")
+        self._lock_path = _lock_path(self.directory, name)
         self._lock_fd: int | None = None
         self._preflight(needed_bytes)
         try:
@@ -94,9 +86,11 @@ class ScratchDir:
             self._unlock()
             raise
         atexit.register(self.remove)
+        _live.add(self)
+        _install_sigterm_cleanup()
 
     def _preflight(self, needed_bytes: int) -> None:
-        existing = _nearest_existing(self.directory)
+        existing = nearest_existing(self.directory)
         if not os.path.isdir(existing):
             raise StreamConfigError(
                 f"cannot create state directory {self.directory}: {existing} exists and is not a directory"
@@ -105,13 +99,7 @@ class ScratchDir:
             raise StreamConfigError(
                 f"state directory {self.directory} is not writable: no write permission on {existing}"
             )
-        free = shutil.disk_usage(existing).free
-        if free < needed_bytes:
-            raise StreamConfigError(
-                f"not enough free space for the optimizer state in {self.directory}: "
-                f"needs {_format_bytes(needed_bytes)} ({needed_bytes} bytes), "
-                f"{_format_bytes(free)} ({free} bytes) free"
-            )
+        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
 
     def _lock(self) -> None:
         try:
@@ -126,6 +114,8 @@ class ScratchDir:
                 f"{self.path} is in use by another process (lock {self._lock_path} is held); "
                 "give each process its own scratch name or directory"
             ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, LOCK_MARKER, 0)
         self._lock_fd = fd
 
     def _unlock(self) -> None:
@@ -133,43 +123,173 @@ class ScratchDir:
             return
         # Unlink while still holding the lock, so no other process can take a lock
         # on the file we are about to drop.
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._lock_path)
-        except FileNotFoundError:
-            pass
         os.close(self._lock_fd)
         self._lock_fd = None
 
     def _purge(self) -> None:
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
+        if not os.path.lexists(self.path):
             return
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise StreamConfigError(
-                f"refusing to purge {self.path}: it is not a plain directory "
-                "(a symlink or file sits where this process's scratch belongs)"
-            )
+        check_plain_dir(self.path)
         logger.info("purging stale optimizer-state scratch %s", self.path)
-        shutil.rmtree(self.path)
-
-    @property
-    def removed(self) -> bool:
-        return self._lock_fd is None
-
-    def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
+        remove_private_dir(self.path)
 
     def remove(self) -> None:
         """Delete the subdirectory and release the lock; safe to call twice."""
         if self._lock_fd is None:
             return
         atexit.unregister(self.remove)
+        _live.discard(self)
         try:
-            st = os.lstat(self.path)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(self.path)
-        except FileNotFoundError:
-            pass
+            remove_private_dir(self.path)
+        except (FileNotFoundError, StreamIOError):
+            pass  # gone, or replaced by something that is not ours: never followed
         finally:
             self._unlock()
+
+
+def _lock_path(directory: str, name: str) -> str:
+    return os.path.join(directory, f".{name}.lock")
+
+
+# ---- SIGTERM -----------------------------------------------------------------------
+
+# The scratch directories of this process not yet removed.
+_live: set[ScratchDir] = set()
+# The SIGTERM handler found when ours was installed (what it chains to).
+_previous_handler: object = None
+_installed = False
+
+
+def _install_sigterm_cleanup() -> None:
+    """Remove the scratch on SIGTERM (see :func:`_on_sigterm`). Installed once, from
+    the main thread only (Python delivers signals there); elsewhere the exit
+    cleanup still runs on a graceful exit. Not installed when the process
+    ignores SIGTERM: it goes on running, and so must its scratch."""
+    global _installed, _previous_handler
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        return
+    _previous_handler = previous
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed = True
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    """SIGTERM: chain to a handler the launcher installed first, else clean up and die.
+
+    A Python handler found at install time (e.g. Megatron's
+    ``--exit-signal-handler``, which lets the training loop save a checkpoint
+    and exit) runs first; if it returns, the process goes on and needs its
+    scratch, which the exit cleanup removes when the process ends. Otherwise
+    (the default action) every live scratch is removed and the signal is raised
+    again with the default action, so the process ends as SIGTERM would have
+    ended it (exit status -15 to its parent).
+    """
+    if callable(_previous_handler):
+        _previous_handler(signum, frame)
+        return
+    for scratch in list(_live):
+        try:
+            scratch.remove()
+        except Exception:  # noqa: BLE001 - dying anyway; leave the rest to the purge
+            logger.exception("removing %s on SIGTERM failed", scratch.path)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ---- the purge command ---------------------------------------------------------------
+
+
+def purge(directory: str) -> tuple[list[str], list[str]]:
+    """Remove the stale scratch under ``directory``: each ``<name>`` whose marked lock
+    file ``.<name>.lock`` no process holds and which the caller owns. Returns
+    (lines saying what was removed, lines saying what was skipped and why)."""
+    removed, skipped = [], []
+    for entry in sorted(os.listdir(directory)):
+        if not (entry.startswith(".") and entry.endswith(".lock")) or len(entry) <= len("..lock"):
+            continue
+        name = entry[1:-5]
+        lock, path = os.path.join(directory, entry), os.path.join(directory, name)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            skipped.append(f"{lock}: cannot open it ({exc.strerror})")
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(LOCK_MARKER), 0) != LOCK_MARKER:
+                continue  # not a scratch lock of ours
+            if st.st_uid != os.geteuid():
+                skipped.append(f"{path}: owned by uid {st.st_uid}, not by this user")
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                skipped.append(f"{path}: in use (a running process holds {lock})")
+                continue
+            what = _remove_stale(path)
+            if what is None:
+                skipped.append(f"{path}: not a plain directory owned by this user; left alone")
+                continue
+            os.unlink(lock)  # while holding it, as ScratchDir does
+            removed.append(f"removed {what}")
+        finally:
+            os.close(fd)
+    return removed, skipped
+
+
+def _remove_stale(path: str) -> str | None:
+    """Remove the scratch directory at ``path`` (none there is fine); None when
+    something else is there (a symlink, a file, another user's directory)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path} (already gone; its lock file removed)"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return None
+    files, nbytes = 0, 0
+    for root, _, names in os.walk(path):
+        for file_name in names:
+            with contextlib.suppress(OSError):
+                nbytes += os.lstat(os.path.join(root, file_name)).st_size
+                files += 1
+    remove_private_dir(path)
+    return f"{path} ({files} files, {format_bytes(nbytes)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m miles_plugins.optimizers.scratch",
+        description="Remove optimizer-state scratch that killed runs left behind (for job epilogs).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    purge_parser = commands.add_parser(
+        "purge", help="remove stale scratch (lock not held, owned by you) under each DIR; symlinks are never followed"
+    )
+    purge_parser.add_argument("directories", nargs="+", metavar="DIR", help="an --offload-train-disk-dir")
+    args = parser.parse_args(argv)
+    status = 0
+    for directory in args.directories:
+        if not os.path.isdir(directory):
+            print(f"error: {directory} is not a directory", file=sys.stderr)
+            status = 2
+            continue
+        try:
+            removed, skipped = purge(directory)
+        except OSError as exc:
+            print(f"error: purging {directory} failed: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        for line in removed + [f"skipped {s}" for s in skipped]:
+            print(line)
+        if not removed and not skipped:
+            print(f"nothing to purge in {directory}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

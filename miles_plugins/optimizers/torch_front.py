@@ -6,9 +6,11 @@ from collections.abc import Iterator
 
 import torch
 
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.config import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.store import Entry, StepStats, StreamingStore, bind_master
+from miles_plugins.optimizers.adam import backend_for, bind_master
+from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.entries import Entry, StepStats
+from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.store import StreamingStore
 
 
 def _fp32_grad(entry: Entry) -> torch.Tensor | None:
@@ -76,7 +78,7 @@ class StreamedOptimizer:
             copy_to_model=_copy_main_to_param,
             init_main=_copy_param_to_main,
         )
-        bind_master(optimizer, self.store, read_state_with="StreamedOptimizer.iter_state()")
+        bind_master(optimizer, self.store.step, checkpoint_with="StreamedOptimizer.save_to(dir) / load_from(dir)")
 
     @property
     def param_groups(self) -> list[dict]:

@@ -274,7 +274,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
         "step_peak_bytes_streamed": max(streamed["peaks"]),
         "state_bytes_total": sum(b.store.state_bytes_total for b in bindings),
         "bucket_bytes_max": max(b.store.bucket_bytes_max for b in bindings),
-        "max_resident_state_bytes": max(b.store.max_resident_state_bytes for b in bindings),
+        "accounted_max_state_bytes": max(b.store.accounted_max_state_bytes for b in bindings),
         "buckets": sum(len(b.store.buckets) for b in bindings),
         "buckets_in_flight": bindings[0].store.config.depth,
     }

@@ -89,8 +89,11 @@ def test_not_enough_free_space_says_how_much_before_writing(tmp_path):
     # runs before any byte is materialized or written.
     huge = torch.nn.Parameter(torch.empty(10**12, dtype=torch.bfloat16, device="meta"))
     directory = tmp_path / "state"
-    with pytest.raises(StreamConfigError, match=r"not enough free space .* needs .*GiB .* free"):
+    with pytest.raises(
+        StreamIOError, match=r"not enough free space .* needs .*GiB .* free; nothing was written"
+    ) as info:
         StreamedOptimizer(torch.optim.AdamW([huge]), StreamConfig(directory=str(directory)))
+    assert info.value.errno == errno.ENOSPC
     assert not directory.exists()
 
 

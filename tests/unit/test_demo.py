@@ -26,7 +26,7 @@ def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
     assert report["bit_identical"] is True
     assert report["moment_dtype"] == "fp32"
     assert report["state_bytes_total"] >= 8 * report["bucket_bytes_max"]
-    assert 0 < report["max_resident_state_bytes"] <= report["buckets_in_flight"] * report["bucket_bytes_max"]
+    assert 0 < report["accounted_max_state_bytes"] <= report["buckets_in_flight"] * report["bucket_bytes_max"]
     # Step 1 reads mains only (4 B/elem); later steps read mains and both moments.
     elements = report["state_bytes_total"] // 12
     assert report["bytes_read"] == 4 * elements + 3 * 12 * elements

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.io import StreamIOTimeout
+from miles_plugins.optimizers.errors import StreamIOTimeout
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
@@ -143,12 +143,12 @@ def test_a_hung_drive_times_out_and_the_last_checkpoint_resumes(tmp_path, fault_
 
 
 def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, monkeypatch, caplog, fault_report):
-    from miles_plugins.optimizers import store as store_module
+    from miles_plugins.optimizers import pipeline as pipeline_module
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, bucket_cap_elements=500)
     before = state_of(model, streamed)
-    real = store_module._Residency.materialize
+    real = pipeline_module.StateAccounting.materialize
     calls = {"n": 0}
 
     def failing_materialize(self, t):
@@ -158,10 +158,10 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, mon
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, t)
 
-    monkeypatch.setattr(store_module._Residency, "materialize", failing_materialize)
+    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", failing_materialize)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info, caplog.at_level(logging.WARNING):
         optimizer.step()
-    monkeypatch.setattr(store_module._Residency, "materialize", real)
+    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", real)
     updated = _rolled_back_buckets(caplog)
     assert updated >= 1, "the failure must come after some buckets were updated"
     assert_same_training(before, state_of(model, streamed))
@@ -243,14 +243,16 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_save(tmp_path, 
 def test_the_save_preflight_refuses_when_the_checkpoint_disk_is_full(tmp_path, monkeypatch, fault_report):
     import shutil
 
-    from miles_plugins.optimizers import store as store_module
+    from miles_plugins.optimizers import fs as fs_module
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
     usage = shutil.disk_usage(ckpt)
     # Simulated: filling a real disk to the last few KB is not something a test should do.
-    monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
-    with pytest.raises(StreamIOError, match=r"not enough free space to save .* nothing was written") as info:
+    monkeypatch.setattr(fs_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    with pytest.raises(
+        StreamIOError, match=r"not enough free space for a save of the optimizer state .* nothing was written"
+    ) as info:
         streamed.save_to(str(ckpt))
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
     assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
@@ -293,11 +295,11 @@ def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
     ids=["host-tier", "remainder-mains"],
 )
 def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, monkeypatch, fault_report, config, why):
-    from miles_plugins.optimizers import store as store_module
+    from miles_plugins.optimizers import pipeline as pipeline_module
 
     config = {**config, "bucket_cap_elements": 500}  # small buckets: the failure comes after some updates
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
-    real = store_module._Residency.materialize
+    real = pipeline_module.StateAccounting.materialize
     calls = {"n": 0}
 
     def failing_materialize(self, t):
@@ -307,10 +309,10 @@ def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, mon
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real(self, t)
 
-    monkeypatch.setattr(store_module._Residency, "materialize", failing_materialize)
+    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", failing_materialize)
     with pytest.raises(torch.OutOfMemoryError):
         optimizer.step()
-    monkeypatch.setattr(store_module._Residency, "materialize", real)
+    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", real)
     with pytest.raises(RuntimeError, match=f"holds no consistent state: .*{why}"):
         optimizer.step()
     streamed.close()

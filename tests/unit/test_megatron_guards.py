@@ -177,11 +177,8 @@ def test_flags_reach_the_stream_config(tmp_path):
         "--offload-train-disk-chunk-mb",
         "8",
     )
-    args.no_load_optim = True
     config = config_from_args(args, name="rank3")
-    assert config == StreamConfig(
-        directory=str(tmp_path), moment_dtype="bf16", staging_chunk_mb=8, allow_fresh_state=True, name="rank3"
-    )
+    assert config == StreamConfig(directory=str(tmp_path), moment_dtype="bf16", staging_chunk_mb=8, name="rank3")
 
 
 def test_tier_engine_and_format_flags_reach_the_stream_config(tmp_path):

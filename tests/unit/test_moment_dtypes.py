@@ -1,10 +1,10 @@
-"""Compact moment storage: stays close to the fp32 run; fp8 warns."""
-
-import logging
+"""Compact moment storage: bf16 stays close to the fp32 run; the unscaled narrow
+formats earlier versions offered are refused, in a setting and in a checkpoint."""
 
 import pytest
 import torch
 
+from miles_plugins.optimizers import StreamConfig, StreamConfigError
 from tests.unit.test_bit_identity import streamed_run
 
 STEPS = 20
@@ -30,9 +30,6 @@ def test_bf16_moments_stay_within_tolerance_of_fp32_moments(tmp_path):
 
 
 @pytest.mark.parametrize("moment_dtype", ["fp16", "fp8e4m3", "fp8e5m2"])
-def test_fp8_moments_warn_that_exp_avg_sq_is_unsafe(tmp_path, caplog, moment_dtype):
-    from miles_plugins.optimizers import StreamConfig
-
-    with caplog.at_level(logging.WARNING):
+def test_unscaled_narrow_moment_dtypes_are_refused_saying_why(tmp_path, moment_dtype):
+    with pytest.raises(StreamConfigError, match=f"{moment_dtype!r} is no longer offered: unscaled, .* diverges"):
         StreamConfig(directory=str(tmp_path), moment_dtype=moment_dtype)
-    assert "not safe for exp_avg_sq" in caplog.text

@@ -64,7 +64,7 @@ def test_the_startup_purge_never_follows_a_symlink(tmp_path, fault_report):
     assert not stale.exists() and (victim / "precious").read_text() == "data"
     (tmp_path / "state").mkdir(exist_ok=True)
     os.symlink(victim, tmp_path / "state" / "rank0")  # where the scratch itself belongs
-    with pytest.raises(StreamConfigError, match="not a plain directory") as info:
+    with pytest.raises(StreamIOError, match="not a plain directory") as info:
         _wrap(tmp_path / "state", name="rank0")
     assert (victim / "precious").read_text() == "data"
     fault_report(

@@ -1,0 +1,117 @@
+"""Storage formats, per segment: what a bucket's fp32 tensors become on their way to
+storage and back.
+
+Every tensor of a bucket in flight is fp32 (mains and both moments); its bytes
+in storage are in the segment's dtype (``layout.Segment.dtype``):
+
+- ``main`` as fp32 (as is), or as int16 remainders (``remainder.py``): the low
+  16 bits, plus per entry the few *exceptions* the bf16 param cannot imply;
+- ``exp_avg`` / ``exp_avg_sq`` as fp32 (as is) or bf16 (``convert.py``).
+
+The stored bytes always live in the first bytes of the fp32 tensor's own
+storage: a read fills them there and :meth:`Codec.decode` widens them in place;
+:meth:`Codec.encode` narrows in place before a write. No full-size temporary.
+
+The codec owns the remainder exceptions, which are state: they travel with
+checkpoints (:meth:`export` / :meth:`check` / :meth:`restore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from miles_plugins.optimizers import remainder
+from miles_plugins.optimizers.convert import narrow_in_place, stored_view, widen_in_place
+from miles_plugins.optimizers.layout import BucketLayout, Segment
+
+
+def stored_bytes(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
+    """The flat uint8 view of ``tensor``'s storage that holds its stored form."""
+    return stored_view(tensor, segment.dtype).view(torch.uint8)
+
+
+class Codec:
+    """The per-segment encode/decode of one store's buckets."""
+
+    def __init__(self, buckets: Sequence[BucketLayout]) -> None:
+        # Remainder mains: per bucket, per entry, the elements the rounding rule misses.
+        self.exceptions = [[remainder.Exceptions.none() for _ in b.numels] for b in buckets]
+
+    @staticmethod
+    def is_remainder(segment: Segment) -> bool:
+        return segment.name == "main" and segment.dtype == remainder.STORAGE_DTYPE
+
+    @staticmethod
+    def converts(segment: Segment, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s stored form differs from its fp32 form."""
+        return segment.dtype != tensor.dtype
+
+    def decode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        """Turn entry ``k``'s stored form (just read) into fp32, in place."""
+        if self.is_remainder(segment):
+            remainder.decode_in_place(tensor, param, self.exceptions[bucket.index][k])
+        else:
+            widen_in_place(tensor, segment.dtype)
+
+    def encode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        """Turn entry ``k``'s fp32 tensor into its stored form, in place (its fp32
+        values are gone afterwards). ``param`` must already hold the updated main
+        rounded to bf16 (remainder mains)."""
+        if self.is_remainder(segment):
+            self.exceptions[bucket.index][k] = remainder.encode_in_place(tensor, param)
+        elif self.converts(segment, tensor):
+            narrow_in_place(tensor, segment.dtype)
+
+    # ---- checkpoints -------------------------------------------------------------
+
+    def export(self) -> list:
+        """The exceptions as JSON: per bucket, per entry, [indices, high bits]."""
+        return [[[e.index.tolist(), e.high.tolist()] for e in bucket] for bucket in self.exceptions]
+
+    def check(self, saved: object, buckets: Sequence[BucketLayout]) -> list[str]:
+        """What keeps ``saved`` (:meth:`export`'s output) from fitting ``buckets``;
+        empty when it fits. Changes nothing."""
+        if not isinstance(saved, list) or len(saved) != len(buckets):
+            return [f"remainder exceptions for {_count(saved)} buckets, the layout has {len(buckets)}"]
+        problems = []
+        for bucket, entries in zip(buckets, saved, strict=True):
+            if not isinstance(entries, list) or len(entries) != len(bucket.numels):
+                problems.append(
+                    f"bucket {bucket.index}: exceptions for {_count(entries)} entries, not {len(bucket.numels)}"
+                )
+                continue
+            for k, (numel, pair) in enumerate(zip(bucket.numels, entries, strict=True)):
+                if not _valid_exceptions(pair, numel):
+                    problems.append(f"bucket {bucket.index}, entry {k}: malformed remainder exceptions")
+        return problems
+
+    def restore(self, saved: list) -> None:
+        """Adopt :meth:`export`'s output (checked by :meth:`check`)."""
+        self.exceptions = [
+            [
+                remainder.Exceptions(
+                    torch.tensor(index, dtype=torch.int64), torch.tensor(high, dtype=remainder.STORAGE_DTYPE)
+                )
+                for index, high in bucket
+            ]
+            for bucket in saved
+        ]
+
+
+def _count(value: object) -> object:
+    return len(value) if isinstance(value, list) else value
+
+
+def _valid_exceptions(pair: object, numel: int) -> bool:
+    """[indices ascending within [0, numel), int16 high bits], equally long."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        return False
+    index, high = pair
+    if not isinstance(index, list) or not isinstance(high, list) or len(index) != len(high):
+        return False
+    if not all(type(i) is int for i in index) or not all(type(h) is int and -(2**15) <= h < 2**15 for h in high):
+        return False
+    in_range = not index or (0 <= index[0] and index[-1] < numel)
+    return in_range and all(a < b for a, b in zip(index, index[1:], strict=False))

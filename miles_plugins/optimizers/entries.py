@@ -1,0 +1,57 @@
+"""The types every layer of the store shares: what is streamed (:class:`Entry`), what
+a step moved (:class:`StepStats`) and the callables a front end hands the store.
+
+They sit below the pipeline, the persistence layer and the store, which all
+import them and none of which imports another's types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Entry:
+    """One param's share of the optimizer state.
+
+    ``main`` is the fp32 main the optimizer updates. For a param whose model dtype
+    is fp32, ``main`` is the param itself (or a view of it): such entries stay
+    resident. ``group_index`` names the master param group; ``bucket_key`` keeps
+    entries of different keys (e.g. DDP buckets) in different streaming buckets.
+    """
+
+    param: torch.Tensor
+    main: torch.Tensor
+    group_index: int
+    bucket_key: Hashable = None
+
+    @property
+    def resident(self) -> bool:
+        return self.param.dtype == torch.float32
+
+
+@dataclass
+class StepStats:
+    """What one step (or all steps, summed) moved and how long it took."""
+
+    buckets: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: StepStats) -> None:
+        self.buckets += other.buckets
+        self.bytes_read += other.bytes_read
+        self.bytes_written += other.bytes_written
+        self.seconds += other.seconds
+
+
+# The fp32 grad of an entry's main for this step, or None (no grad: not updated).
+GradFn = Callable[[Entry], torch.Tensor | None]
+# Writes an entry's updated main back into its model param.
+EntryFn = Callable[[Entry], None]
+# ``fn(param, main)``: fills a main from its model param.
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]

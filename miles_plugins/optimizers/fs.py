@@ -1,0 +1,245 @@
+"""Filesystem operations on the store's private files and directories.
+
+Scratch and checkpoint directories often sit on shared filesystems where
+another user can plant a symlink. Everything here opens with ``O_NOFOLLOW``,
+creates files ``0600`` and directories ``0700``, refuses a symlink or a file
+where one of its directories belongs (:class:`StreamIOError` with ``ELOOP``)
+and removes directories without following links inside them. Every failure is
+a :class:`StreamIOError` naming the path.
+
+:func:`replace_dir` puts a complete directory in place of another without a
+moment where neither is there, with or without ``renameat2(RENAME_EXCHANGE)``.
+
+No torch here: the scratch purge command imports this module alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+
+from miles_plugins.optimizers.errors import StreamIOError
+
+logger = logging.getLogger(__name__)
+
+# Every open: never through a symlink (a planted link would redirect our writes),
+# never inherited by a child process.
+_SAFE_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_file(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a symlink; errors name the path."""
+    try:
+        return os.open(path, flags | _SAFE_OPEN, mode)
+    except OSError as exc:
+        raise StreamIOError(f"cannot open {path}: {exc.strerror}", path, 0, exc.errno) from exc
+
+
+@contextlib.contextmanager
+def create_file(directory: str, name: str) -> Iterator[int]:
+    """A new private file (``0600``, must not exist) in ``directory``; yields its fd."""
+    fd = open_file(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (creations, renames) durable."""
+    fd = open_file(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_plain_dir(path: str) -> None:
+    """Refuse anything but a real directory at ``path`` (a symlink is not followed)."""
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise StreamIOError(
+            f"refusing to use {path}: it is not a plain directory (a symlink or file sits where this "
+            "process's state belongs); remove it or choose another directory",
+            path,
+            0,
+            errno.ELOOP,
+        )
+
+
+def make_dirs(path: str) -> None:
+    """Create directory ``path`` and any missing parents (``0700``); an existing
+    one (a link to one included: it is the caller's choice of place) is fine."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise StreamIOError(f"cannot create directory {path}: {exc.strerror}", path, 0, exc.errno) from exc
+
+
+def remove_private_dir(path: str) -> None:
+    """Delete a directory the store made, never following symlinks inside it
+    (``shutil.rmtree`` works through directory fds on Linux); refuse anything
+    else found at that name. Nothing there is fine."""
+    if not os.path.lexists(path):
+        return
+    check_plain_dir(path)
+    shutil.rmtree(path)
+
+
+def nearest_existing(path: str) -> str:
+    """``path``, or its closest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def require_free_space(path: str, needed: int, what: str) -> None:
+    """Refuse (``ENOSPC``) unless the filesystem holding ``path`` (or its nearest
+    existing ancestor) has ``needed`` bytes free; ``what`` says what they are for."""
+    existing = nearest_existing(path)
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise StreamIOError(
+            f"not enough free space for {what} in {path}: needs {format_bytes(needed)} ({needed} bytes), "
+            f"{format_bytes(free)} ({free} bytes) free; nothing was written",
+            path,
+            0,
+            errno.ENOSPC,
+        )
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem holding ``path``, from /proc/mounts (Linux)."""
+    real = os.path.realpath(path)
+    best, best_type = "", None
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        return None
+    return best_type
+
+
+def _rename(src: str, dst: str) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        raise StreamIOError(f"cannot rename {src} to {dst}: {exc.strerror}", dst, 0, exc.errno) from exc
+
+
+# ---- replacing a directory ------------------------------------------------------
+
+# renameat2(2) flags and the "current directory" fd (Linux >= 3.15).
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+# What renameat2 answers where the filesystem (NFS, some FUSE and network
+# filesystems) or the kernel cannot exchange: fall back, do not fail.
+_EXCHANGE_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+@functools.cache
+def _renameat2():
+    """libc's renameat2, or None where libc lacks the symbol (glibc < 2.28, other libcs).
+    Looked up on first use, not at import."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap the directories at ``a`` and ``b``; False where the
+    exchange is unavailable (nothing was changed then)."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        _note_fallback(b, "this libc has no renameat2")
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _EXCHANGE_UNSUPPORTED:
+        _note_fallback(b, f"renameat2(RENAME_EXCHANGE) answered {errno.errorcode.get(err, err)}")
+        return False
+    raise StreamIOError(
+        f"cannot swap {a} into place at {b}: {os.strerror(err)} (renameat2 RENAME_EXCHANGE; the previous "
+        f"directory at {b} is untouched)",
+        b,
+        0,
+        err,
+    )
+
+
+_fallback_noted: set[str] = set()
+
+
+def _note_fallback(path: str, why: str) -> None:
+    directory = os.path.dirname(path)
+    if directory not in _fallback_noted:
+        _fallback_noted.add(directory)
+        logger.info("%s: %s; replacing saved state with a rename pair instead (see previous_path)", directory, why)
+
+
+def previous_path(final: str) -> str:
+    """Where :func:`replace_dir` keeps the previous directory while it renames
+    without an atomic exchange: ``<parent>/.<name>.previous``."""
+    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.previous")
+
+
+def replace_dir(new: str, final: str) -> None:
+    """Put the complete directory ``new`` at ``final``, removing what was there.
+
+    With ``renameat2(RENAME_EXCHANGE)`` the two trade places in one atomic step.
+    Where it is unavailable (NFS, old glibc) the sequence is: the previous
+    directory moves to :func:`previous_path`, ``new`` moves to ``final``, the
+    previous one is removed. A crash between the first two renames leaves no
+    ``final`` but the complete previous directory at ``previous_path(final)``:
+    readers fall back to it (see ``persistence.py``), and the next replace
+    removes it only once a new ``final`` is in place. At no instant is neither
+    complete directory there. Entries are fsynced after every rename.
+    """
+    parent = os.path.dirname(final)
+    backup = previous_path(final)
+    if not os.path.lexists(final):
+        # A backup here is the only complete previous state (a replace was cut off
+        # after moving it aside): it goes only once `final` exists again.
+        _rename(new, final)
+        fsync_dir(parent)
+        remove_private_dir(backup)
+        return
+    check_plain_dir(final)
+    if _exchange(new, final):
+        fsync_dir(parent)
+        remove_private_dir(new)  # the previous directory, now at `new`
+        return
+    remove_private_dir(backup)  # `final` is complete: a stale backup is not needed
+    _rename(final, backup)
+    fsync_dir(parent)
+    try:
+        _rename(new, final)
+    except StreamIOError:
+        with contextlib.suppress(OSError):
+            os.rename(backup, final)  # put the previous one back; if that fails too, readers find the backup
+        raise
+    fsync_dir(parent)
+    remove_private_dir(backup)

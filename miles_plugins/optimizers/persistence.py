@@ -1,0 +1,342 @@
+"""Checkpoints of one store's state: ``save`` and a transactional ``load``.
+
+A saved store is one directory (see ``manifest.py`` for its files)::
+
+    <base_dir>/<name>/             the complete save
+    <base_dir>/.<name>.partial/    a save being written (never read)
+    <base_dir>/.<name>.previous/   the previous save, while a replace without
+                                   RENAME_EXCHANGE is under way (fs.replace_dir)
+
+``save`` writes everything into the partial directory, fsynced, manifest last,
+and then replaces the previous save in one step (``fs.replace_dir``).
+
+``load`` is a transaction. Before the live state changes it verifies
+everything: the manifest (its own checksum, format, every field compared with
+this store), every file's presence and size, every piece of small state (step
+counts, per-param state, remainder exceptions) against the live optimizers,
+the resident moments' checksum, and every bucket file's checksum. On the disk
+tier the bucket files are copied into the spare slot while they are checked,
+and the slot is committed only after all checks pass; the host tier has no
+spare, so its files are checked in a first read and copied in a second. A load
+refused before the commit leaves the store exactly as it was; a failure after
+it (an I/O error or a checksum that changed between the two host-tier reads)
+marks the store damaged, so it refuses to step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from miles_plugins.optimizers.adam import BucketOptimizer
+from miles_plugins.optimizers.codec import Codec
+from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.fs import (
+    check_plain_dir,
+    create_file,
+    fsync_dir,
+    make_dirs,
+    open_file,
+    previous_path,
+    remove_private_dir,
+    replace_dir,
+    require_free_space,
+)
+from miles_plugins.optimizers.io import HostMemory, pread_full, pwrite_full
+from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout
+from miles_plugins.optimizers.manifest import RESIDENT_FILE, Manifest, differences
+
+logger = logging.getLogger(__name__)
+
+
+class Persistence:
+    """Saves and loads the state of one store.
+
+    Args:
+        name: the store's name: its directory under a checkpoint's base directory.
+        description: the manifest fields a load must match (``manifest.COMPARED_FIELDS``).
+        buckets, backing, bucket_optimizers: the layout, where the bucket bytes
+            live, and each bucket's optimizer (its step counts).
+        buffer: returns a host buffer free for the caller (the engine's idle staging).
+        codec: the storage formats (``remainder``: its exceptions are state).
+        resident_optimizer, resident_mains: the fp32-native entries' optimizer
+            and mains (their moments are saved as one file), or None and [].
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: dict,
+        buckets: Sequence[BucketLayout],
+        backing,
+        bucket_optimizers: Sequence[BucketOptimizer],
+        buffer: Callable[[], HostMemory],
+        codec: Codec,
+        remainder: bool,
+        resident_optimizer: BucketOptimizer | None,
+        resident_mains: Sequence[torch.Tensor],
+    ) -> None:
+        self.name, self.description = name, description
+        self.buckets, self.backing, self.bucket_optimizers = buckets, backing, bucket_optimizers
+        self.buffer, self.codec, self.remainder = buffer, codec, remainder
+        self.resident_optimizer, self.resident_mains = resident_optimizer, list(resident_mains)
+
+    # ---- save --------------------------------------------------------------------
+
+    def save(self, base_dir: str, steps_taken: int) -> None:
+        """Save the full state under ``base_dir/<name>``, replacing any previous save
+        in one step (see the module docstring). Checks first that ``base_dir``
+        has room for the whole save; a failure leaves the previous save as it was."""
+        start = time.perf_counter()
+        final = os.path.join(base_dir, self.name)
+        partial = os.path.join(base_dir, f".{self.name}.partial")
+        make_dirs(base_dir)
+        remove_private_dir(partial)  # left by a save that was interrupted
+        needed = sum(b.file_size for b in self.buckets) + self._resident_bytes()
+        require_free_space(base_dir, needed, f"a save of the optimizer state (a previous save in {base_dir} is kept)")
+        os.mkdir(partial, 0o700)
+        try:
+            files = {}
+            for bucket in self.buckets:
+                with create_file(partial, bucket.file_name) as dst:
+                    path = os.path.join(partial, bucket.file_name)
+                    crc = self.backing.export(bucket, dst, path, self.buffer())
+                    os.fsync(dst)
+                files[bucket.file_name] = {"size": bucket.file_size, "crc32": crc}
+            if self.resident_optimizer is not None:
+                files[RESIDENT_FILE] = self._save_resident(partial)
+            Manifest(
+                {
+                    **self.description,
+                    "steps_taken": steps_taken,
+                    "bucket_state": [o.export_state() for o in self.bucket_optimizers],
+                    "resident_state": self.resident_optimizer.export_state() if self.resident_optimizer else None,
+                    "main_exceptions": self.codec.export() if self.remainder else None,
+                    "files": files,
+                }
+            ).write(partial)
+            fsync_dir(partial)
+            replace_dir(partial, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                remove_private_dir(partial)
+            raise
+        seconds = time.perf_counter() - start
+        nbytes = sum(f["size"] for f in files.values())
+        logger.info(
+            "saved streamed optimizer state %s (step %d): %.2f GB in %.2f s (%.2f GB/s) to %s",
+            self.name,
+            steps_taken,
+            nbytes / 1e9,
+            seconds,
+            nbytes / 1e9 / max(seconds, 1e-9),
+            final,
+        )
+
+    def _resident_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self._resident_moments())
+
+    def _resident_moments(self) -> Iterator[torch.Tensor]:
+        for main in self.resident_mains:
+            yield from self.resident_optimizer.moments(main) or ()
+
+    def _save_resident(self, directory: str) -> dict[str, int]:
+        # Small (the store warns above resident_warn_elements): one CPU copy per moment.
+        crc, size = 0, 0
+        path = os.path.join(directory, RESIDENT_FILE)
+        with create_file(directory, RESIDENT_FILE) as fd:
+            for moment in self._resident_moments():
+                data = moment.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                pwrite_full(fd, path, size, memoryview(data))
+                crc = zlib.crc32(data, crc)
+                size += len(data)
+            os.fsync(fd)
+        return {"size": size, "crc32": crc}
+
+    # ---- load --------------------------------------------------------------------
+
+    def load(self, base_dir: str, mark_damaged: Callable[[str], None], expected_steps: int | None = None) -> int | None:
+        """Restore the state :meth:`save` left under ``base_dir``; returns its step
+        count, or None when there is none. Raises :class:`CheckpointMismatchError`
+        (every problem found, at once) for a state that does not fit, or whose
+        step count is not ``expected_steps``, before anything live changed.
+        ``mark_damaged(reason)`` is called when a failure comes after the live
+        state began to change."""
+        source = self._source(base_dir)
+        if source is None:
+            return None
+        start = time.perf_counter()
+        manifest = Manifest.read(source)
+        problems = self._problems(source, manifest)
+        steps = manifest.data.get("steps_taken")
+        if not problems and expected_steps is not None and steps != expected_steps:
+            problems.append(
+                f"it holds the state after step {steps}, the checkpoint's optimizer state dict was saved after "
+                f"step {expected_steps}: they come from different saves"
+            )
+        if problems:
+            raise CheckpointMismatchError(
+                f"cannot load the streamed optimizer state in {source}:\n  - " + "\n  - ".join(problems)
+            )
+        resident = self._read_resident(source, manifest) if self.resident_optimizer is not None else None
+        spare = self.backing.keeps_previous_state
+        if spare:
+            self._copy_buckets(source, manifest)  # into the spare slots: nothing live changes yet
+        else:
+            self._verify_buckets(source, manifest)
+        try:
+            # The commit: from here on the live state changes.
+            if not spare:
+                self._copy_buckets(source, manifest)
+            self.backing.commit()
+            for optimizer, saved in zip(self.bucket_optimizers, manifest.data["bucket_state"], strict=True):
+                optimizer.import_state(saved, materialize=False)
+            if resident is not None:
+                self._restore_resident(manifest.data["resident_state"], resident)
+            if self.remainder:
+                self.codec.restore(manifest.data["main_exceptions"])
+        except BaseException as exc:
+            mark_damaged(f"loading {source} failed after the live state began to change ({exc})")
+            raise
+        logger.info(
+            "loaded streamed optimizer state %s (step %d) from %s in %.2f s",
+            self.name,
+            manifest.data["steps_taken"],
+            source,
+            time.perf_counter() - start,
+        )
+        return manifest.data["steps_taken"]
+
+    def _source(self, base_dir: str) -> str | None:
+        """The saved directory to load: ``<name>``, or the previous save a replace
+        without RENAME_EXCHANGE had moved aside when it was cut off."""
+        final = os.path.join(base_dir, self.name)
+        if os.path.lexists(final):
+            check_plain_dir(final)
+            return final
+        backup = previous_path(final)
+        if os.path.lexists(backup):
+            check_plain_dir(backup)
+            logger.warning(
+                "%s is missing but %s holds the previous save: a save that was replacing it was cut off; "
+                "loading the previous save",
+                final,
+                backup,
+            )
+            return backup
+        return None
+
+    def _problems(self, source: str, manifest: Manifest) -> list[str]:
+        """Everything that keeps ``manifest`` from loading into this store; no file
+        content is read."""
+        data = manifest.data
+        problems = differences(data, self.description)
+        if problems:
+            return problems  # another layout or format: nothing below can be compared
+        expected = {b.file_name for b in self.buckets} | ({RESIDENT_FILE} if self.resident_optimizer else set())
+        if set(manifest.files) != expected:
+            return [f"the manifest lists files {sorted(manifest.files)}, this store needs {sorted(expected)}"]
+        for name, entry in sorted(manifest.files.items()):
+            try:
+                size = os.lstat(os.path.join(source, name)).st_size
+            except FileNotFoundError:
+                problems.append(f"{name} is missing")
+                continue
+            if size != entry["size"]:
+                problems.append(f"{name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
+        problems += [
+            f"{b.file_name}: the file table says {manifest.files[b.file_name]['size']} bytes, the layout {b.file_size}"
+            for b in self.buckets
+            if manifest.files[b.file_name]["size"] != b.file_size
+        ]
+        steps = data.get("steps_taken")
+        if type(steps) is not int or steps < 0:
+            problems.append(f"steps_taken is {steps!r}, not a step count")
+        saved = data.get("bucket_state")
+        if not isinstance(saved, list) or len(saved) != len(self.buckets):
+            problems.append(f"optimizer state for {_count(saved)} buckets, the layout has {len(self.buckets)}")
+        else:
+            for bucket, optimizer, state in zip(self.buckets, self.bucket_optimizers, saved, strict=True):
+                problems += [f"bucket {bucket.index}: {p}" for p in optimizer.check_state(state)]
+        if self.resident_optimizer is not None:
+            problems += [
+                f"resident params: {p}" for p in self.resident_optimizer.check_state(data.get("resident_state"))
+            ]
+        if self.remainder:
+            problems += self.codec.check(data.get("main_exceptions"), self.buckets)
+        return problems
+
+    def _copy_buckets(self, source: str, manifest: Manifest) -> None:
+        """Copy every bucket file into the backing (``backing.restore``), checking each CRC-32."""
+        for bucket in self.buckets:
+            path = os.path.join(source, bucket.file_name)
+            fd = open_file(path, os.O_RDONLY)
+            try:
+                crc = self.backing.restore(bucket, fd, path, self.buffer())
+            finally:
+                os.close(fd)
+            _check_crc(path, crc, manifest.files[bucket.file_name]["crc32"])
+
+    def _verify_buckets(self, source: str, manifest: Manifest) -> None:
+        """Read every bucket file once, checking its CRC-32; nothing is copied."""
+        view = self.buffer().view
+        for bucket in self.buckets:
+            path = os.path.join(source, bucket.file_name)
+            fd = open_file(path, os.O_RDONLY)
+            try:
+                crc, done = 0, 0
+                while done < bucket.file_size:
+                    chunk = view[: min(len(view), bucket.file_size - done)]
+                    pread_full(fd, path, done, chunk, ALIGNMENT)
+                    crc = zlib.crc32(chunk, crc)
+                    done += len(chunk)
+            finally:
+                os.close(fd)
+            _check_crc(path, crc, manifest.files[bucket.file_name]["crc32"])
+
+    def _read_resident(self, source: str, manifest: Manifest) -> bytes:
+        path = os.path.join(source, RESIDENT_FILE)
+        with os.fdopen(open_file(path, os.O_RDONLY), "rb") as f:
+            data = f.read()
+        _check_crc(path, zlib.crc32(data), manifest.files[RESIDENT_FILE]["crc32"])
+        if len(data) != self._resident_bytes_after(manifest.data["resident_state"]):
+            raise CheckpointMismatchError(f"{path} holds {len(data)} bytes, not the moments its state describes")
+        return data
+
+    def _resident_bytes_after(self, saved: dict) -> int:
+        """Bytes of the resident moments ``saved`` describes: two fp32 moments per
+        param with state (its layout was checked by ``check_state``)."""
+        groups = self.resident_optimizer.optimizer.param_groups
+        has_state = {
+            id(p): scalars is not None
+            for group, saved_params in zip(groups, saved["params"], strict=True)
+            for p, scalars in zip(group["params"], saved_params, strict=True)
+        }
+        return sum(2 * 4 * main.numel() for main in self.resident_mains if has_state[id(main)])
+
+    def _restore_resident(self, saved: dict, data: bytes) -> None:
+        self.resident_optimizer.import_state(saved, materialize=True)
+        offset = 0
+        for moment in self._resident_moments():
+            n = moment.numel() * moment.element_size()
+            moment.view(-1).view(torch.uint8).copy_(
+                torch.frombuffer(bytearray(data[offset : offset + n]), dtype=torch.uint8)
+            )
+            offset += n
+
+
+def _check_crc(path: str, crc: int, expected: int) -> None:
+    if crc != expected:
+        raise CheckpointMismatchError(
+            f"{path}: CRC-32 {crc:#010x} does not match the manifest's {expected:#010x}: the checkpoint is corrupt"
+        )
+
+
+def _count(value: object) -> object:
+    return len(value) if isinstance(value, list) else value

@@ -1,0 +1,325 @@
+"""The bucket walker: moves buckets between storage and the device, a few at a time.
+
+A bucket in flight is a :class:`Flight`. :meth:`Pipeline.walk` takes every
+bucket through
+
+    fetch    materialize its fp32 mains and moments, read their stored bytes
+             (engine threads), decode them in place;
+    visit    the caller's work on the materialized bucket (the Adam update);
+    store    encode in place and submit the writes (engine threads);
+    retire   wait for the writes, release the bucket's device memory.
+
+Reads of the next buckets and writes of the previous ones overlap the current
+bucket's visit. At most ``depth`` buckets are materialized at once (the
+computing one, the ones read ahead, the ones still writing), so optimizer state
+on the device is bounded by ``depth`` times the largest bucket; the sync engine
+runs with ``depth`` 1. ``prefetch()`` starts the first reads before the walk.
+
+The walker knows nothing of Adam, rollback or checkpoints (the store's
+concerns); on a failure it stops every transfer it started and re-raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_plugins.optimizers.adam import BucketOptimizer
+from miles_plugins.optimizers.codec import Codec, stored_bytes
+from miles_plugins.optimizers.entries import Entry, StepStats
+from miles_plugins.optimizers.errors import StreamIOTimeout
+from miles_plugins.optimizers.io import Ticket, Transfer
+from miles_plugins.optimizers.layout import MOMENT_SEGMENTS, BucketLayout
+
+
+@dataclass
+class StateAccounting:
+    """The store's own count of optimizer-state bytes materialized on the device
+    (mains and moments of the buckets in flight). Accounting, not a measurement:
+    the allocator's figure (``torch.cuda.max_memory_allocated``) also holds
+    Adam's temporaries and conversion scratch."""
+
+    current: int = 0
+    peak: int = 0
+
+    def materialize(self, t: torch.Tensor) -> None:
+        """Give ``t`` its storage (a no-op for one that already has it) and count it."""
+        nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().nbytes() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+        self._count(nbytes)
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """Count a tensor the optimizer allocated itself (lazily created moments)."""
+        self._count(t.untyped_storage().nbytes())
+
+    def release(self, t: torch.Tensor) -> None:
+        self.current -= t.untyped_storage().nbytes()
+        t.untyped_storage().resize_(0)
+
+    def _count(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+
+@dataclass
+class Flight:
+    """One bucket between its fetch and its retirement.
+
+    ``converts`` are (segment name, entry, tensor) a read fills in their stored
+    format, to be decoded once it is done.
+    """
+
+    bucket: BucketLayout
+    optimizer: BucketOptimizer
+    entries: list[Entry]
+    handle: object = None
+    reads: Ticket | None = None
+    writes: Ticket | None = None
+    converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+
+    def tensors(self, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """(segment name, fp32 tensor) of entry ``k``: its main, then its moments if it has any."""
+        main = self.entries[k].main
+        state = self.optimizer.moments(main) if moments else None
+        return [("main", main), *(zip(MOMENT_SEGMENTS, state, strict=True) if state is not None else ())]
+
+
+class Pipeline:
+    """Walks ``buckets`` through the backing and the engine, ``depth`` at a time.
+
+    Args:
+        entries: the store's entries (buckets index into them).
+        buckets, optimizers: the layout and each bucket's optimizer.
+        backing, engine: where the bytes live and how they move (``io.py``).
+        codec: the storage formats.
+        depth: the most buckets materialized at once.
+        device: where buckets are materialized (CUDA ordering uses events).
+        io_timeout_s: what an abort after a failure may still wait, in total.
+    """
+
+    def __init__(
+        self,
+        entries: Sequence[Entry],
+        buckets: Sequence[BucketLayout],
+        optimizers: Sequence[BucketOptimizer],
+        backing,
+        engine,
+        codec: Codec,
+        depth: int,
+        device: torch.device,
+        io_timeout_s: float,
+    ) -> None:
+        self.entries, self.buckets, self.optimizers = entries, buckets, optimizers
+        self.backing, self.engine, self.codec = backing, engine, codec
+        self.depth, self.device, self.io_timeout_s = depth, device, io_timeout_s
+        self.accounting = StateAccounting()
+        # Set once transfers hung: their memory may still be written and is abandoned.
+        self.hung = False
+        # Buckets whose reads prefetch() started, and what those reads moved.
+        self._prefetched: deque[Flight] = deque()
+        self._prefetch_stats = StepStats()
+
+    # ---- the walk ------------------------------------------------------------------
+
+    def walk(self, visit: Callable[[Flight], None], stats: StepStats, *, mains_only: bool = False) -> None:
+        """Take every bucket through fetch, ``visit``, store and retire (see the
+        module docstring), adding what moved to ``stats``.
+
+        ``mains_only``: nothing is read; each bucket's mains are materialized
+        for ``visit`` to fill, and written back to the slot they were read
+        from (rewriting mains outside a step; the moments stay as they are).
+        On a failure every flight is aborted (:meth:`abort`) and the error re-raised.
+        """
+        ahead = deque() if mains_only else self._take_prefetched(stats)
+        writing: deque[Flight] = deque()
+        current = None
+        try:
+            for index in range(len(self.buckets)):
+                if mains_only:
+                    self._make_room(ahead, writing)
+                    current = self._open(index, in_place=True)
+                    for entry in current.entries:
+                        self.accounting.materialize(entry.main)
+                else:
+                    self._read_ahead(index + self.depth - 1, ahead, writing, stats)
+                    current = ahead.popleft()
+                    self.finish_fetch(current)
+                visit(current)
+                self.store(current, stats, moments=not mains_only)
+                writing.append(current)
+                current = None
+            while writing:
+                self._retire_oldest(writing)
+        except BaseException as exc:
+            # After a timeout nothing more is waited for: the deadline has passed.
+            wait_s = 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s
+            self.hung = self.abort([*ahead, *writing, *([current] if current else [])], wait_s) or self.hung
+            raise
+
+    @contextlib.contextmanager
+    def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
+        """Bucket ``index`` materialized and read (one at a time), released afterwards."""
+        flight = self.fetch(index, StepStats(), moments)
+        try:
+            self.finish_fetch(flight)
+            yield flight
+        finally:
+            self.hung = self.abort([flight], self.io_timeout_s) or self.hung
+
+    # ---- prefetch --------------------------------------------------------------------
+
+    def prefetch(self) -> None:
+        """Start reading the first ``depth`` buckets of the next walk (a no-op when
+        already started)."""
+        if self._prefetched:
+            return
+        try:
+            self._read_ahead(self.depth - 1, self._prefetched, deque(), self._prefetch_stats)
+        except BaseException:
+            self.drop_prefetch()
+            raise
+
+    def drop_prefetch(self) -> None:
+        """Forget prefetched buckets (their bytes are about to change, or are not needed)."""
+        flights, self._prefetched = self._prefetched, deque()
+        self._prefetch_stats = StepStats()
+        self.hung = self.abort(flights, self.io_timeout_s) or self.hung
+
+    def _take_prefetched(self, stats: StepStats) -> deque[Flight]:
+        stats.add(self._prefetch_stats)
+        ahead, self._prefetched, self._prefetch_stats = self._prefetched, deque(), StepStats()
+        return ahead
+
+    # ---- one bucket's fetch and store ------------------------------------------------
+
+    def _open(self, index: int, in_place: bool) -> Flight:
+        bucket = self.buckets[index]
+        flight = Flight(bucket, self.optimizers[index], [self.entries[i] for i in bucket.entry_indices])
+        flight.handle = self.backing.open(bucket, in_place=in_place)
+        return flight
+
+    def fetch(self, index: int, stats: StepStats, moments: bool = True) -> Flight:
+        """Materialize bucket ``index``'s mains (and moments) and submit their reads.
+        A stored format other than fp32 lands in the first bytes of the tensor's
+        own storage, decoded in place by :meth:`finish_fetch`."""
+        flight = Flight(self.buckets[index], self.optimizers[index], [])
+        try:
+            flight = self._open(index, in_place=False)
+            transfers: list[Transfer] = []
+            for k in range(len(flight.entries)):
+                for name, tensor in flight.tensors(k, moments):
+                    segment = flight.bucket.segments[name]
+                    self.accounting.materialize(tensor)
+                    if self.codec.converts(segment, tensor):
+                        flight.converts.append((name, k, tensor))
+                    transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
+                    stats.bytes_read += segment.entry_nbytes[k]
+            # The engine's copies wait for everything queued on this stream so far:
+            # fresh blocks from the caching allocator may still be in use there.
+            flight.reads = self.engine.read(flight.handle, transfers, self._ready_event())
+        except BaseException:
+            self.abort([flight], self.io_timeout_s)
+            raise
+        return flight
+
+    def finish_fetch(self, flight: Flight) -> None:
+        flight.reads.wait()
+        flight.reads = None
+        for name, k, tensor in flight.converts:
+            self.codec.decode(flight.bucket, flight.bucket.segments[name], k, tensor, flight.entries[k].param)
+        flight.converts.clear()
+
+    def store(self, flight: Flight, stats: StepStats, moments: bool = True) -> None:
+        """Encode the bucket's mains (and moments) in place and submit their writes.
+        Encoding runs on the device, before the host copy: a same-dtype
+        device->host copy is far faster than a converting one. The fp32 values
+        are gone afterwards; the bucket is released when retired."""
+        transfers: list[Transfer] = []
+        for k, entry in enumerate(flight.entries):
+            for name, tensor in flight.tensors(k, moments):
+                segment = flight.bucket.segments[name]
+                self.codec.encode(flight.bucket, segment, k, tensor, entry.param)
+                transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
+                stats.bytes_written += segment.entry_nbytes[k]
+        # The writer threads copy on their own streams, after the update and the
+        # encoding queued on this one.
+        flight.writes = self.engine.write(flight.handle, transfers, self._ready_event())
+        stats.buckets += 1
+
+    def _ready_event(self) -> torch.cuda.Event | None:
+        """An event on the caller's stream after everything queued so far (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _make_room(self, ahead: deque[Flight], writing: deque[Flight]) -> bool:
+        """Retire the oldest writes until another bucket may be materialized; False
+        when the buckets in flight are all still being read or computed."""
+        while len(ahead) + len(writing) >= self.depth:
+            if not writing:
+                return False
+            self._retire_oldest(writing)
+        return True
+
+    def _read_ahead(self, last: int, ahead: deque[Flight], writing: deque[Flight], stats: StepStats) -> None:
+        """Start fetching buckets up to index ``last``, after those in ``ahead``,
+        while the buckets in flight allow it."""
+        started = (ahead[-1].bucket.index + 1) if ahead else (writing[-1].bucket.index + 1 if writing else 0)
+        for index in range(started, min(last, len(self.buckets) - 1) + 1):
+            if not self._make_room(ahead, writing):
+                return
+            ahead.append(self.fetch(index, stats))
+
+    def _retire_oldest(self, writing: deque[Flight]) -> None:
+        """Wait for the oldest bucket's writes, then release its device memory. It
+        leaves ``writing`` only then: after a failure the caller still aborts it."""
+        flight = writing[0]
+        flight.writes.wait()
+        flight.writes = None
+        writing.popleft()
+        self._release(flight)
+
+    def _release(self, flight: Flight) -> None:
+        for entry in flight.entries:
+            self.accounting.release(entry.main)
+            for moment in flight.optimizer.moments(entry.main) or ():
+                self.accounting.release(moment)
+        flight.converts.clear()
+        if flight.handle is not None:
+            flight.handle.close()
+            flight.handle = None
+
+    def abort(self, flights: Sequence[Flight], wait_s: float) -> bool:
+        """Stop using ``flights`` after a failure or when their state is not needed:
+        wait until no transfer touches their memory, then release it. All the
+        waits share one deadline, ``wait_s`` from now. Errors of the transfers
+        themselves were (or will be) reported by their owner. Returns True when
+        some transfers are still running at the deadline: their flights' memory
+        is then left allocated, since a late transfer may still write into it."""
+        deadline = time.monotonic() + wait_s
+        hung = False
+        for flight in flights:
+            stuck = False
+            for ticket in (flight.reads, flight.writes):
+                if ticket is None:
+                    continue
+                try:
+                    ticket.wait(max(0.0, deadline - time.monotonic()))
+                except StreamIOTimeout:
+                    stuck = True
+                except BaseException:  # noqa: BLE001 - reported by the transfer's owner
+                    pass
+            if stuck:
+                hung = True
+                continue
+            flight.reads = flight.writes = None
+            self._release(flight)
+        return hung
