@@ -302,3 +302,94 @@ def test_changed_topology_is_refused_naming_what_changed(tmp_path):
     ):
         second.load_from(str(tmp_path / "ckpt"))
     second.close()
+
+
+@pytest.mark.fault
+def test_a_manifest_edited_without_its_checksum_is_refused(tmp_path, saved, fault_report):
+    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, lambda data: data.update(steps_taken=3), sign=False)
+    message = refusal(tmp_path, saved)
+    assert "fails its own checksum" in message and "damaged or edited" in message
+    fault_report("manifest edited (checksum not updated)", "load refuses", message, "none (the load refuses)")
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_a_tampered_manifest_is_refused_and_the_store_is_unchanged(tmp_path, saved, fault_report, tier):
+    """The reproduction from the review: one more param group in a bucket's saved
+    state (its checksum recomputed). The load used to copy the bucket files in,
+    fail on the group count, and leave a store that stepped on the checkpoint's
+    moments with step counts of 0."""
+    rewrite_manifest(
+        saved / "rank0" / MANIFEST_NAME,
+        lambda data: data["bucket_state"][0]["groups"].append({}),
+    )
+    model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier=tier)
+    train(model, optimizer, scheduler, range(1))
+    before = state_of(model, streamed)
+    with pytest.raises(CheckpointMismatchError, match=r"bucket 0: 2 saved param groups, 1 live") as info:
+        streamed.load_from(str(saved))
+    assert_same_training(before, state_of(model, streamed))
+    assert streamed.store.steps_taken == 1
+    train(model, optimizer, scheduler, range(1, 3))  # and it steps on
+    assert streamed.store.steps_taken == 3
+    streamed.close()
+    fault_report(
+        f"manifest tampered, checksum recomputed ({tier} tier)",
+        "load refuses before the live state changes; the store is unchanged and steps on",
+        str(info.value).splitlines()[-1].strip(" -") + "; state byte-identical to before the load",
+        "none (the load refuses)",
+    )
+
+
+def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, saved, monkeypatch):
+    """Host tier: the second read of a file fails part way (it was replaced or the
+    drive failed between the two reads): some buckets are already loaded."""
+    from miles_plugins.optimizers import persistence
+    from miles_plugins.optimizers.errors import StoreUnusableError
+
+    model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")
+    real = persistence.Persistence._copy_buckets
+
+    def copy_then_fail(self, source, manifest):
+        # Between the verifying read and the copy, the last bucket file changes.
+        path = saved / "rank0" / "bucket_00002.bin"
+        path.write_bytes(b"\0" * path.stat().st_size)
+        return real(self, source, manifest)
+
+    monkeypatch.setattr(persistence.Persistence, "_copy_buckets", copy_then_fail)
+    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32"):
+        streamed.load_from(str(saved))
+    loss_fn(model, 0).backward()
+    with pytest.raises(StoreUnusableError, match="no consistent state: loading .* failed after the live state began"):
+        optimizer.step()
+    streamed.close()
+
+
+def test_a_format_1_manifest_still_loads(tmp_path, saved):
+    """Checkpoints written before manifests carried their own checksum."""
+    from miles_plugins.optimizers.manifest import CHECKSUM_KEY as KEY
+
+    def to_version_1(data):
+        data["format_version"] = 1
+        del data[KEY]
+
+    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, to_version_1, sign=False)
+    model, optimizer, scheduler, streamed = resume(tmp_path, saved)
+    assert streamed.load_from(str(saved))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+@pytest.mark.parametrize("removed", ["fp8e4m3", "fp16"])
+def test_a_checkpoint_with_a_removed_moment_dtype_is_refused_saying_why(tmp_path, saved, removed):
+    """An old (format 1) checkpoint that stored its moments unscaled in a narrow dtype."""
+
+    def old_narrow_save(data):
+        data.update(format_version=1, moment_dtype=removed)
+        del data[CHECKSUM_KEY]
+
+    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, old_narrow_save, sign=False)
+    message = refusal(tmp_path, saved)
+    assert f"stores its moments as {removed}, which this version no longer reads" in message
+    assert "diverges" in message and "--no-load-optim" in message
