@@ -1,6 +1,6 @@
 """A training process for the kill tests (``test_crash.py``): it is SIGKILLed mid-way.
 
-    python -m tests.unit.crash_child --work DIR --kill-in step|save
+    python -m tests.unit.crash_child --work DIR --kill-in step|save|replace
 
 Trains the reference model with streamed state under ``DIR/scratch`` (name
 ``rank0``), saves a checkpoint to ``DIR/ckpt`` after SAVE_AT steps, trains one
@@ -9,6 +9,11 @@ directory. In that last phase the fault harness stalls a write half way (the
 6th of the step's bucket writes, or the 3rd bucket file of the save) and writes
 ``DIR/stalled`` first: the parent waits for that file and kills this process
 while the step (or the save) is half done.
+
+``replace``: the second save runs where ``renameat2(RENAME_EXCHANGE)`` is
+refused (EINVAL, as on NFS), and the process dies (``os._exit``: no cleanup
+runs, as with SIGKILL) between the fallback's two renames: the previous save
+moved aside, the new one not yet in its place.
 """
 
 from __future__ import annotations
@@ -25,14 +30,38 @@ from tests.unit.reference import loss_fn
 from tests.unit.test_checkpoint import SAVE_AT, save_run, train
 
 
+def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:
+    import ctypes
+    import errno
+
+    from miles_plugins.optimizers import fs
+
+    def no_exchange(*args):
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    fs._renameat2 = lambda: no_exchange
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if str(src).endswith(".rank0.partial") and str(dst).endswith("/rank0"):
+            os._exit(9)  # the previous save is at .rank0.previous, the new one still .rank0.partial
+        return real_rename(src, dst)
+
+    os.rename = rename
+    streamed.save_to(str(ckpt))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", required=True)
-    parser.add_argument("--kill-in", choices=["step", "save"], required=True)
+    parser.add_argument("--kill-in", choices=["step", "save", "replace"], required=True)
     args = parser.parse_args()
     work = Path(args.work)
     model, optimizer, scheduler, streamed = save_run(work, work / "ckpt")
     train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
+    if args.kill_in == "replace":
+        die_between_the_fallback_renames(streamed, work / "ckpt")
     target = work / ("scratch" if args.kill_in == "step" else "ckpt")
 
     def tell_parent() -> None:

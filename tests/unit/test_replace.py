@@ -1,0 +1,108 @@
+"""Replacing a saved state where ``renameat2(RENAME_EXCHANGE)`` is unavailable.
+
+Checkpoints often live on shared filesystems: NFS answers the exchange with
+EINVAL, and a libc older than glibc 2.28 has no ``renameat2`` at all. The
+fallback renames the previous save aside, the new one into place, and removes
+the previous one; a crash between the renames leaves the previous save where a
+load finds it.
+"""
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import fs
+from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.reference import assert_same_training, reference_run
+from tests.unit.test_bad_input import REPO
+from tests.unit.test_checkpoint import SAVE_AT, STEPS, resume, save_run, state_of, train
+
+
+@pytest.fixture
+def no_exchange(monkeypatch, request):
+    """renameat2 refused with EINVAL (NFS), or missing from libc (old glibc)."""
+    if request.param == "EINVAL":
+
+        def refuse(*args):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        monkeypatch.setattr(fs, "_renameat2", lambda: refuse)
+    else:
+
+        class OldLibc:
+            def __init__(self, *args, **kwargs):
+                pass  # a libc without the symbol: attribute lookups fail
+
+        fs._renameat2.cache_clear()
+        monkeypatch.setattr(fs.ctypes, "CDLL", OldLibc)
+        assert fs._renameat2() is None
+    yield request.param
+    monkeypatch.undo()
+    fs._renameat2.cache_clear()  # forget the missing symbol: the next test finds the real one
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("no_exchange", ["EINVAL", "no renameat2 symbol"], indirect=True)
+def test_a_save_replaces_the_previous_one_without_the_exchange(tmp_path, caplog, no_exchange, fault_report):
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.fs"):
+        streamed.save_to(str(ckpt))
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
+    assert "replacing saved state with a rename pair" in caplog.text
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "no previous or partial copy may be left"
+    assert json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())["steps_taken"] == STEPS
+    # The replaced save loads and holds the uninterrupted run's state.
+    streamed.close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    assert streamed.load_from(str(ckpt)) and streamed.store.steps_taken == STEPS
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+    fault_report(
+        f"checkpoint replace without RENAME_EXCHANGE ({no_exchange})",
+        "falls back to a rename pair; the new save is complete, nothing left beside it",
+        "replaced; loads byte-identical to the uninterrupted run",
+        "none",
+    )
+
+
+@pytest.mark.fault
+def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp_path, caplog, fault_report):
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.unit.crash_child", "--work", str(tmp_path), "--kill-in", "replace"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 9, child.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    left = sorted(os.listdir(ckpt))
+    assert left == [".rank0.partial", ".rank0.previous", "rest.pt"], left
+    with caplog.at_level(logging.WARNING):
+        model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+        assert streamed.load_from(str(ckpt))
+    assert "loading the previous save" in caplog.text
+    assert streamed.store.steps_taken == SAVE_AT
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the crash left"
+    streamed.close()
+    fault_report(
+        "crash between the fallback's renames (no RENAME_EXCHANGE)",
+        "the load finds the previous save; the next save cleans up",
+        f"left {', '.join(left)}; loaded the step-{SAVE_AT} save from .rank0.previous, finished byte-identical; "
+        "the next save left only rank0",
+        "the save in progress (its caller never saw it return)",
+    )
