@@ -1,0 +1,135 @@
+"""SIGTERM (how schedulers stop jobs) and the purge command for what SIGKILL leaves.
+
+The victims are real training processes (``sigterm_child.py``); nothing is
+simulated but the stalled write that holds one of them mid-step.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from miles_plugins.optimizers import scratch as scratch_module
+from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.test_bad_input import REPO, _wrap
+
+pytestmark = pytest.mark.fault
+
+
+def _start(work, handler: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.unit.sigterm_child", "--work", str(work), "--handler", handler],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(child: subprocess.Popen, path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if child.poll() is not None:
+            pytest.fail(f"the child exited ({child.returncode}) early:\n{child.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the child never wrote {path.name}")
+        time.sleep(0.05)
+
+
+def test_sigterm_mid_step_removes_the_scratch_and_ends_the_process_as_sigterm_does(tmp_path, fault_report):
+    child = _start(tmp_path, "none")
+    _wait_for(child, tmp_path / "stalled")
+    files = len(os.listdir(tmp_path / "scratch" / "rank0"))
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert os.listdir(tmp_path / "scratch") == [], "the scratch and its lock file must be gone"
+    fault_report(
+        "SIGTERM mid-step (no handler of the launcher's)",
+        "scratch removed; the process ends as SIGTERM would have ended it",
+        f"{files} scratch files removed; exit status {child.returncode} (killed by SIGTERM)",
+        "the steps since the last checkpoint (the process was stopped)",
+    )
+
+
+def test_sigterm_chains_to_the_launchers_handler_and_keeps_the_scratch_until_exit(tmp_path, fault_report):
+    """Megatron's --exit-signal-handler lets the loop save a checkpoint first: the
+    scratch must survive the signal, and go when the process exits."""
+    child = _start(tmp_path, "launcher")
+    _wait_for(child, tmp_path / "ready")
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 0, stderr[-3000:]
+    assert (tmp_path / "handled").read_text().startswith(f"[{int(signal.SIGTERM)}]")
+    assert (tmp_path / "ckpt" / "rank0" / MANIFEST_NAME).exists(), "the checkpoint after the signal is complete"
+    assert os.listdir(tmp_path / "scratch") == [], "the exit cleanup removed the scratch"
+    fault_report(
+        "SIGTERM with the launcher's own handler (Megatron --exit-signal-handler)",
+        "the launcher's handler runs; the run saves a checkpoint; the scratch goes at exit",
+        f"handler called ({(tmp_path / 'handled').read_text()}); checkpoint complete; scratch removed; exit 0",
+        "none",
+    )
+
+
+def _purge(*dirs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_plugins.optimizers.scratch", "purge", *map(str, dirs)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+    )
+
+
+def _stale_scratch(directory, name: str, files: int = 3) -> None:
+    """What a SIGKILLed rank leaves: its directory and its marked, unheld lock file."""
+    (directory / name).mkdir(parents=True)
+    for i in range(files):
+        (directory / name / f"bucket_{i:05d}.slot0.bin").write_bytes(b"x" * 4096)
+    (directory / f".{name}.lock").write_bytes(scratch_module.LOCK_MARKER)
+
+
+def test_purge_removes_stale_scratch_only(tmp_path, fault_report):
+    _stale_scratch(tmp_path, "rank0")
+    live = _wrap(tmp_path, name="rank1")  # a running process's scratch: its lock is held
+    (tmp_path / "notes").mkdir()
+    (tmp_path / ".notes.lock").write_text("someone else's lock file")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("data")
+    os.symlink(victim, tmp_path / "rank9")
+    (tmp_path / ".rank9.lock").write_bytes(scratch_module.LOCK_MARKER)
+    result = _purge(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"removed {tmp_path / 'rank0'} (3 files, 0.0 MiB)" in result.stdout
+    assert f"skipped {tmp_path / 'rank1'}: in use" in result.stdout
+    assert f"skipped {tmp_path / 'rank9'}: not a plain directory" in result.stdout
+    assert not (tmp_path / "rank0").exists() and not (tmp_path / ".rank0.lock").exists()
+    assert (tmp_path / "rank1").is_dir() and (tmp_path / "notes").is_dir() and (tmp_path / ".notes.lock").exists()
+    assert (victim / "precious").read_text() == "data", "a symlink is never followed"
+    live.close()
+    assert "nothing to purge" in _purge(tmp_path / "victim").stdout
+    missing = _purge(tmp_path / "missing")
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    fault_report(
+        "purge command (job epilog)",
+        "removes stale scratch only: not a live one, not a symlink's target, not foreign files",
+        result.stdout.strip().replace("\n", "; ").replace(str(tmp_path), "<tmp>"),
+        "none",
+    )
+
+
+def test_purge_leaves_another_users_scratch(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a directory owned by another user")
+    _stale_scratch(tmp_path, "rank0")
+    os.chown(tmp_path / ".rank0.lock", 4242, 4242)
+    os.chown(tmp_path / "rank0", 4242, 4242)
+    result = _purge(tmp_path)
+    assert "owned by uid 4242" in result.stdout
+    assert (tmp_path / "rank0").is_dir()
