@@ -19,6 +19,7 @@ byte. Runs on CUDA when available, else on the CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -135,14 +136,16 @@ def train_resident(device: torch.device, data: list) -> dict:
 def train_streamed(device: torch.device, data: list, config: StreamConfig) -> dict:
     model = build_model(device)
     optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
-    scheduler = schedule(optimizer, len(data))
-    losses = []
+    losses, step_peaks = [], []
     with StreamedOptimizer(optimizer, config) as streamed:
+        # After wrapping: the scheduler then wraps the streamed step.
+        scheduler = schedule(optimizer, len(data))
         start = time.perf_counter()
         for step, (tokens, targets) in enumerate(data, 1):
             loss = loss_of(model, tokens, targets)
             loss.backward()
-            optimizer.step()  # the streamed step: StreamedOptimizer rebinds it
+            with measured_step_peak(device, step_peaks):
+                optimizer.step()  # the streamed step: StreamedOptimizer rebinds it
             optimizer.zero_grad()
             scheduler.step()
             losses.append(loss.item())
@@ -160,10 +163,27 @@ def train_streamed(device: torch.device, data: list, config: StreamConfig) -> di
             "state_bytes_total": store.state_bytes_total,
             "bucket_bytes_max": store.bucket_bytes_max,
             "accounted_max_state_bytes": store.accounted_max_state_bytes,
+            "measured_step_peak_bytes": max(step_peaks) if step_peaks else None,
+            "step_device_bytes_bound": store.step_device_bytes_bound,
             "file_bytes_total": store.file_bytes_total,
             "bytes_read": store.total.bytes_read,
             "bytes_written": store.total.bytes_written,
         }
+
+
+@contextlib.contextmanager
+def measured_step_peak(device: torch.device, peaks: list[int]):
+    """On CUDA, append what the allocator saw the step add to what was allocated
+    before it (a measurement, beside the store's own accounting)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield
+    torch.cuda.synchronize(device)
+    peaks.append(torch.cuda.max_memory_allocated(device) - before)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -178,6 +198,16 @@ def compare(resident: dict, streamed: dict) -> bool:
         for x, y in zip(r, s, strict=True)
     )
     return params_equal and state_equal
+
+
+def missing_dirs(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    device = torch.device(
-        "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
-    )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but this torch sees no CUDA device; use --device cpu or auto", file=sys.stderr)
+        return 2
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
 
+    created = missing_dirs(args.dir)  # removed again at the end (when empty)
     try:
         os.makedirs(args.dir, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix="miles-demo-", dir=args.dir)
@@ -232,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        for directory in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)  # only if empty: never what was there before
 
     identical = compare(resident, streamed)
     report = {
@@ -247,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "state_bytes_total": streamed["state_bytes_total"],
         "bucket_bytes_max": streamed["bucket_bytes_max"],
         "accounted_max_state_bytes": streamed["accounted_max_state_bytes"],
+        "measured_step_peak_bytes": streamed["measured_step_peak_bytes"],
+        "step_device_bytes_bound": streamed["step_device_bytes_bound"],
         "file_bytes_total": streamed["file_bytes_total"],
         "bytes_read": streamed["bytes_read"],
         "bytes_written": streamed["bytes_written"],

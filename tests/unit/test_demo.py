@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.unit.test_bad_input import REPO
 
 
@@ -27,6 +29,10 @@ def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
     assert report["moment_dtype"] == "fp32"
     assert report["state_bytes_total"] >= 8 * report["bucket_bytes_max"]
     assert 0 < report["accounted_max_state_bytes"] <= report["buckets_in_flight"] * report["bucket_bytes_max"]
+    assert (
+        report["measured_step_peak_bytes"] is None
+        or report["measured_step_peak_bytes"] <= report["step_device_bytes_bound"]
+    )
     # Step 1 reads mains only (4 B/elem); later steps read mains and both moments.
     elements = report["state_bytes_total"] // 12
     assert report["bytes_read"] == 4 * elements + 3 * 12 * elements
@@ -39,6 +45,31 @@ def test_demo_with_bf16_moments_is_not_bit_identical_but_succeeds(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["moment_dtype"] == "bf16" and report["bit_identical"] is False
+
+
+def test_demo_builds_its_scheduler_after_wrapping(tmp_path):
+    """torch warns when a scheduler was built before optimizer.step() was replaced;
+    the README says to build it after wrapping, and the demo must do as it says."""
+    result = _demo("--steps", "2", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "has been overridden after learning rate scheduler initialization" not in result.stderr
+
+
+def test_demo_refuses_cuda_without_cuda_cleanly(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = _demo("--steps", "2", "--device", "cuda", "--dir", str(tmp_path))
+    assert result.returncode == 2, "exit 1 means 'not bit-identical'"
+    assert "error: --device cuda, but this torch sees no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_removes_the_directories_it_created(tmp_path):
+    result = _demo("--steps", "2", "--dir", str(tmp_path / "made" / "by" / "demo"))
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path) == [], "--dir and the parents the demo created must be gone"
 
 
 def test_demo_refuses_a_bad_bucket_cap_cleanly(tmp_path):

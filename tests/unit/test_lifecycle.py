@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers import StoreUnusableError, StreamConfig, StreamConfigError, StreamedOptimizer
 from tests.unit.reference import same_bytes
 
 
@@ -129,10 +129,29 @@ def test_fp32_params_stay_resident_and_warn_when_large(tmp_path, caplog):
     streamed.close()
 
 
-def test_state_dict_of_a_streamed_optimizer_refuses(tmp_path):
+def test_state_dict_of_a_streamed_optimizer_refuses_and_points_to_save_to(tmp_path):
     optimizer, streamed = _streamed(tmp_path, _model())
-    with pytest.raises(Exception, match="streamed"):
-        optimizer.state_dict()
+    for call in (optimizer.state_dict, lambda: optimizer.load_state_dict({})):
+        with pytest.raises(
+            StreamConfigError, match=r"state is streamed: .* checkpoint it with .*save_to\(dir\) / load_from"
+        ):
+            call()
+    streamed.close()
+
+
+def test_a_bucket_cap_that_puts_every_bucket_in_flight_is_warned_about(tmp_path, caplog):
+    """The cap is not a hard cap (a param is never split): with a huge one the whole
+    state is materialized at once, and the user must hear of it."""
+    with caplog.at_level(logging.WARNING):
+        _, streamed = _streamed(tmp_path, _model(), cap=10**14)
+    assert len(streamed.store.buckets) == 1
+    assert "all 1 buckets fit in the 3 in flight: the whole streamed state" in caplog.text
+    assert "a param is never split" in caplog.text
+    streamed.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _, streamed = _streamed(tmp_path, _model(), cap=2000)
+    assert len(streamed.store.buckets) > 3 and "fit in the" not in caplog.text
     streamed.close()
 
 
@@ -141,7 +160,7 @@ def test_a_closed_store_refuses_to_step(tmp_path):
     optimizer, streamed = _streamed(tmp_path, model)
     streamed.close()
     _backward(model, 0)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(StoreUnusableError, match="closed"):
         optimizer.step()
 
 
