@@ -2,6 +2,8 @@
 iteration directory per checkpoint format, the save/load dispatch into real stores,
 and the refusal of a tree without the hooks."""
 
+import re
+import sys
 import types
 
 import pytest
@@ -85,3 +87,45 @@ def test_a_tree_without_the_hooks_is_refused():
             hooks.check_patched()
     else:
         pytest.skip("megatron.training is importable here; the GPU tier checks a patched tree")
+
+
+def _checkpointing(monkeypatch, **attrs) -> None:
+    """Stand in for megatron.training.checkpointing: this venv's megatron-core
+    (0.16.1, the newest for Python 3.11) ships no megatron/training, so the
+    module check_patched inspects is built here with the attributes a patched
+    or unpatched file would have. The GPU tier checks a really patched tree."""
+    module = types.ModuleType("megatron.training.checkpointing")
+    module.__file__ = "/megatron/training/checkpointing.py"
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    training = types.ModuleType("megatron.training")
+    training.checkpointing = module
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", module)
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({}, "lacks the optimizer-state checkpoint hooks: its checkpoints would silently drop"),
+        ({hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION + 1}, "carries checkpoint hooks for ABI 2, this plugin speaks 1"),
+        (
+            {hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: None},
+            "is patched but its hooks module is None, not megatron_hooks.checkpoint",
+        ),
+        (
+            {hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: types.ModuleType("other_hooks")},
+            "is patched but its hooks module is <module 'other_hooks'>",
+        ),
+    ],
+    ids=["unpatched", "another ABI", "hooks not importable at import time", "another hooks module"],
+)
+def test_check_patched_refuses_a_tree_it_cannot_trust(monkeypatch, attrs, message):
+    _checkpointing(monkeypatch, **attrs)
+    with pytest.raises(hooks.HooksNotInstalledError, match=re.escape(message)):
+        hooks.check_patched()
+
+
+def test_check_patched_accepts_a_tree_patched_for_this_abi(monkeypatch):
+    _checkpointing(monkeypatch, **{hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: hooks})
+    hooks.check_patched()

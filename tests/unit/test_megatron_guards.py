@@ -215,3 +215,29 @@ def test_non_positive_pipeline_settings_are_refused(tmp_path, flag, value):
     args = parse("--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path), flag, value)
     with pytest.raises(StreamConfigError, match="must be a positive integer"):
         config_from_args(args, name="rank0")
+
+
+# The same thing asked two ways: as a launcher flag, and as a field of the built optimizer.
+SAME_RULE = {
+    "precision-aware optimizer": {"use_precision_aware_optimizer": True},
+    "cpu optimizer offload": {"optimizer_cpu_offload": True},
+    "optimizer state offload (newer commits)": {"offload_optimizer_states": True},
+    "chunked state offload (newer commits)": {"chunked_optimizer_state_offload": True},
+    "megatron fsdp": {"use_megatron_fsdp": True},
+    "fp8 params": {"fp8_param_gather": True},
+    "mxfp8 param all-gather reuse": {"reuse_grad_buf_for_mxfp8_param_ag": True},
+    "sgd": {"optimizer": "sgd"},
+}
+
+
+@pytest.mark.parametrize("case", list(SAME_RULE), ids=list(SAME_RULE))
+def test_flags_and_the_built_optimizer_are_refused_by_one_rule(case):
+    """One table (args.REFUSALS) serves validate_args and check_supported: the
+    reason a flag is refused for is the reason its optimizer field is refused for."""
+    from miles_plugins.optimizers.args import refusals_of_args, refusals_of_optimizer
+
+    kwargs, _ = REFUSED[case]
+    (on_optimizer,) = refusals_of_optimizer(distributed_optimizer(**kwargs))
+    args = argparse.Namespace(**{"use_distributed_optimizer": True, "optimizer": "adam", **SAME_RULE[case]})
+    (on_flags,) = refusals_of_args(args)
+    assert on_optimizer.split(": ", 1)[1] == on_flags.split(": ", 1)[1]

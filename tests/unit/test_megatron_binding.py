@@ -1,0 +1,225 @@
+"""The Megatron binding's paths that need no GPU, on the CPU, with real megatron-core.
+
+A real ``DistributedOptimizer`` cannot be constructed here (its buffers are
+CUDA tensors). This builds one the way ``test_megatron_guards.py`` does
+(``__new__``), at data-parallel size 1, with the attributes the binding reads
+filled by Megatron's own code: the range maps come from
+``DistributedOptimizer._build_model_gbuf_param_range_map`` over a bf16 param
+buffer whose views are the params, and the process groups from
+``parallel_state.initialize_model_parallel`` over gloo. The binding itself,
+the store, the state-dict family (``ShardedObject`` included) and the load
+arming then run unchanged. The GPU tier runs the same paths under a real DDP
+model and ``get_megatron_optimizer``.
+"""
+
+import logging
+import os
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
+from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range  # noqa: E402
+
+from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR  # noqa: E402
+from miles_plugins.optimizers import (  # noqa: E402
+    CheckpointMismatchError,
+    StoreUnusableError,
+    StreamConfig,
+    StreamConfigError,
+)
+from miles_plugins.optimizers.megatron import STREAMED_STATE_KEY, MegatronBinding  # noqa: E402
+from tests.unit.reference import same_bytes  # noqa: E402
+
+SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]
+LR, STEPS = 1e-2, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_groups(tmp_path_factory):
+    init = tmp_path_factory.mktemp("dist") / "init"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def dp1_distributed_optimizer(seed: int = 0):
+    """A real DistributedOptimizer over bf16 params that are views of one param buffer."""
+    torch.manual_seed(seed)
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    buffer = torch.randn(total).to(torch.bfloat16)
+    params, world_index, start = [], {}, 0
+    for shape in SHAPES:
+        end = start + torch.Size(shape).numel()
+        param = torch.nn.Parameter(buffer[start:end].view(shape))
+        params.append(param)
+        world_index[param] = (start, end, 0)
+        start = end
+    key = (torch.bfloat16, torch.float32)
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)
+    opt.gbuf_ranges = [
+        {key: [{"param_map": DistributedOptimizer._build_model_gbuf_param_range_map(world_index, Range(0, total), 0)}]}
+    ]
+    opt.model_param_gbuf_map = {p: (0, key, 0) for p in params}
+    opt.buffers = [types.SimpleNamespace(buckets=[types.SimpleNamespace(param_data=buffer)])]
+    mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
+    opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
+    opt.model_fp32_groups, opt.shard_fp32_groups = [[]], [[]]
+    opt.optimizer = torch.optim.AdamW([{"params": mains}], lr=LR, weight_decay=0.1)
+    opt.config = OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True)
+    opt.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    opt.grad_scaler, opt.is_stub_optimizer = None, False
+    opt.data_parallel_group = parallel_state.get_data_parallel_group()
+    opt.data_parallel_group_idx, opt.distributed_optimizer_instance_id = 0, 0
+    return opt, params
+
+
+def grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(torch.Size(s).numel(), generator=g) for s in SHAPES]
+
+
+def bind(tmp_path, seed: int = 0, name: str = "rank0"):
+    opt, params = dp1_distributed_optimizer(seed)
+    binding = MegatronBinding(
+        opt, StreamConfig(directory=str(tmp_path / "scratch"), name=name, bucket_cap_elements=3000)
+    )
+    return opt, params, binding
+
+
+def train(opt, binding, steps):
+    for step in steps:
+        for entry, grad in zip(binding.entries, grads(step), strict=True):
+            entry.main.grad = grad  # what prepare_grads leaves: the fp32 grad shard
+        opt.optimizer.step()  # the master's step is the streamed step
+
+
+def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path):
+    opt, params, binding = bind(tmp_path)
+    assert getattr(opt, STORE_ATTR) is binding and len(binding.store.buckets) >= 3
+    mains = [p.detach().view(-1).float().clone() for p in params]
+    reference = torch.optim.AdamW([{"params": mains}], lr=LR, weight_decay=0.1)
+    train(opt, binding, range(STEPS))
+    for step in range(STEPS):
+        for main, grad in zip(mains, grads(step), strict=True):
+            main.grad = grad
+        reference.step()
+    for param, main in zip(params, mains, strict=True):
+        assert same_bytes(param.detach().view(-1), main.to(torch.bfloat16)), "the param buffer holds the updated mains"
+    for (_, main, exp_avg, exp_avg_sq), ref in zip(binding.iter_state(), mains, strict=True):
+        state = reference.state[ref]
+        assert (
+            same_bytes(main, ref)
+            and same_bytes(exp_avg, state["exp_avg"])
+            and same_bytes(exp_avg_sq, state["exp_avg_sq"])
+        )
+    binding.store.close()
+
+
+def test_the_state_dict_family_carries_options_and_a_marker_never_the_state(tmp_path):
+    opt, _, binding = bind(tmp_path)
+    train(opt, binding, range(2))
+    state = opt.state_dict()
+    assert set(state) == {"optimizer"}
+    assert state["optimizer"][STREAMED_STATE_KEY] == {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": 2}
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [LR]
+    assert "state" not in state["optimizer"] and "params" not in state["optimizer"]["param_groups"][0]
+    sharded = opt.sharded_state_dict({}, is_loading=False)
+    assert isinstance(sharded["optimizer"], ShardedObject)
+    assert sharded["optimizer"].key == "optimizer.distributed.dp_group_idx_0.optimizer"
+    assert sharded["optimizer"].data == state["optimizer"]
+    with pytest.raises(StreamConfigError, match="checkpoint it with Megatron's save_checkpoint"):
+        opt.optimizer.state_dict()
+    binding.store.close()
+
+
+def test_a_loaded_state_dict_arms_the_load_until_the_store_is_restored(tmp_path):
+    opt, _, binding = bind(tmp_path)
+    train(opt, binding, range(2))
+    saved_state_dict = opt.state_dict()
+    binding.save_to(str(tmp_path / "ckpt"))
+    binding.store.close()
+
+    opt, _, binding = bind(tmp_path, seed=1)
+    opt.load_state_dict(saved_state_dict)
+    with pytest.raises(StoreUnusableError, match="the load hook .* did not run"):
+        opt.optimizer.step()
+    # A load that fails keeps it armed, saying why: the params are the checkpoint's, the mains are not.
+    with pytest.raises(CheckpointMismatchError, match="holds no state for rank0"):
+        binding.load_from(str(tmp_path / "elsewhere"))
+    with pytest.raises(StoreUnusableError, match=r"its load failed \(CheckpointMismatchError: .*holds no state"):
+        opt.optimizer.step()
+    assert binding.load_from(str(tmp_path / "ckpt"))
+    assert binding.store.steps_taken == 2
+    train(opt, binding, range(2, 3))
+    binding.store.close()
+
+
+def test_a_state_from_another_save_is_refused_before_it_changes_anything(tmp_path):
+    opt, _, binding = bind(tmp_path)
+    train(opt, binding, range(2))
+    saved_state_dict = opt.state_dict()
+    train(opt, binding, range(2, 3))
+    binding.save_to(str(tmp_path / "ckpt"))  # a save after step 3; the state dict says step 2
+    binding.store.close()
+
+    opt, params, binding = bind(tmp_path, seed=1)
+    before = [m.clone() for _, m, _, _ in binding.iter_state()]
+    opt.load_state_dict(saved_state_dict)
+    with pytest.raises(
+        CheckpointMismatchError, match="after step 3, .* saved after step 2: they come from different saves"
+    ):
+        binding.load_from(str(tmp_path / "ckpt"))
+    assert all(same_bytes(a, b) for a, (_, b, _, _) in zip(before, binding.iter_state(), strict=True))
+    binding.store.close()
+
+
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        (None, "written without optimizer-state streaming"),
+        ({"hook_abi_version": HOOK_ABI_VERSION + 1, "steps_taken": 1}, "written with hook ABI"),
+    ],
+)
+def test_a_state_dict_that_cannot_be_resumed_is_refused(tmp_path, marker, message):
+    opt, _, binding = bind(tmp_path)
+    state = {"optimizer": {"param_groups": [{"lr": 1.0}]}}
+    if marker is not None:
+        state["optimizer"][STREAMED_STATE_KEY] = marker
+    with pytest.raises(CheckpointMismatchError, match=message):
+        opt.load_state_dict(state)
+    assert opt.optimizer.param_groups[0]["lr"] == LR, "a refused state dict changes nothing"
+    binding.store.close()
+
+
+def test_without_a_loaded_state_dict_the_load_hook_starts_fresh_with_a_warning(tmp_path, caplog):
+    """What --no-load-optim (or --finetune) leads to: Megatron loads no optimizer
+    state dict, rebuilds the mains from the loaded params, and the hook says so."""
+    opt, params, binding = bind(tmp_path)
+    with torch.no_grad():
+        for p in params:
+            p.fill_(0.5)
+    opt.reload_model_params()
+    with caplog.at_level(logging.WARNING):
+        assert binding.load_from(str(tmp_path / "ckpt")) is False
+    assert "Adam starts fresh from the loaded params" in caplog.text
+    for _, main, exp_avg, _ in binding.iter_state():
+        assert torch.equal(main, torch.full_like(main, 0.5)) and exp_avg is None
+    binding.store.close()
+
+
+def test_offload_and_parameter_state_files_are_no_ops(tmp_path):
+    opt, _, binding = bind(tmp_path)
+    for call in (opt.offload_to_cpu, opt.restore_from_cpu):
+        assert call() is None
+    assert opt.save_parameter_state(os.path.join(str(tmp_path), "x.pt")) is None
+    assert not (tmp_path / "x.pt").exists()
+    binding.store.close()
