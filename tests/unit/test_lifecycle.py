@@ -212,3 +212,27 @@ def test_a_refresh_drops_prefetched_mains(tmp_path):
     for _, main, _, _ in streamed.iter_state():
         assert torch.equal(main, torch.full_like(main, 0.25))
     streamed.close()
+
+
+def test_the_rollback_snapshot_never_reads_a_device_scalar_back_to_the_host():
+    """Fused and capturable torch Adam keep each param's step count on the device;
+    reading it (``.item()``) would be a device synchronization per param per bucket
+    per step. The meta device stands in for a GPU here: any read of a meta
+    tensor's value raises, so a snapshot that reads one fails."""
+    from miles_plugins.optimizers.adam import TorchAdamBackend
+
+    main = torch.zeros(8)
+    bucket = TorchAdamBackend(torch.optim.AdamW([main], lr=1e-2)).build([(0, [main])])
+    step = torch.tensor(3.0, device="meta")
+    bucket.optimizer.state[main] = {"step": step, "exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8)}
+    snapshot = bucket.snapshot()
+    bucket.optimizer.state[main]["step"] = torch.tensor(4.0, device="meta")  # what the failed step did
+    bucket.restore(snapshot)
+    restored = bucket.optimizer.state[main]["step"]
+    assert restored.device.type == "meta" and restored is not step, "a device-side copy, taken before the step"
+    # Host scalars (plain torch Adam) come back with their value and dtype.
+    bucket.optimizer.state[main]["step"] = torch.tensor(7.0)
+    snapshot = bucket.snapshot()
+    bucket.optimizer.state[main]["step"] += 1
+    bucket.restore(snapshot)
+    assert bucket.optimizer.state[main]["step"].item() == 7.0
