@@ -145,6 +145,47 @@ def refused(work: str, case: str, load_dir: str, moment_dtype: str = "fp32") -> 
     return "NOT REFUSED"
 
 
+def fresh_without_optimizer_state(work: str) -> dict:
+    """--no-load-optim on a checkpoint written without streaming: Megatron loads no
+    optimizer state dict and rebuilds the mains from the loaded params; the load
+    hook must say that Adam starts fresh, and training must go on from there."""
+    import logging
+
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.global_vars import get_args
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("miles_plugins.optimizers.megatron").addHandler(handler)
+    args = get_args()
+    args.load, args.no_load_optim = os.path.join(work, "ckpt_unstreamed"), True
+    ddp, opt, sched, baseline, bindings = streamed(work, "scratch_no_load_optim")
+    try:
+        iteration, _ = load_checkpoint([ddp], opt, sched)
+        mains_are_params = all(
+            all_same([main], [entry.param.detach().cpu().float()])
+            for b in bindings
+            for entry, main, _, _ in b.iter_state()
+        )
+        moments_fresh = all(m is None for b in bindings for _, _, m, _ in b.iter_state())
+        steps_after_load = [b.store.steps_taken for b in bindings]
+        after = train(ddp, opt, sched, baseline, 2, start=K)
+    finally:
+        for b in bindings:
+            b.store.close()
+        args.no_load_optim = False
+        logging.getLogger("miles_plugins.optimizers.megatron").removeHandler(handler)
+    return {
+        "iteration": iteration,
+        "warned": [m for m in messages if "Adam starts fresh from the loaded params" in m],
+        "mains_are_loaded_params": mains_are_params,
+        "moments_fresh": moments_fresh,
+        "steps_after_load": steps_after_load,
+        "losses_after": after["losses"],
+    }
+
+
 def phase_refuse(work: str) -> dict:
     megatron_args(work, "torch_dist", os.path.join(work, "ckpt_torch_dist"))
     truncated = os.path.join(work, "ckpt_truncated")
@@ -156,6 +197,7 @@ def phase_refuse(work: str) -> dict:
         "moment_dtype": refused(work, "dtype", os.path.join(work, "ckpt_torch_dist"), "bf16"),
         "unstreamed": refused(work, "unstreamed", os.path.join(work, "ckpt_unstreamed")),
         "truncated": refused(work, "truncated", truncated),
+        "no_load_optim": fresh_without_optimizer_state(work),
     }
 
 

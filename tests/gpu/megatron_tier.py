@@ -143,8 +143,9 @@ def batch(step: int) -> tuple[torch.Tensor, ...]:
 def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0) -> dict:
     """Train steps ``start`` .. ``start + steps - 1``; per step, the GPU peak during
     ``optimizer.step()`` above ``baseline`` (model, grads, optimizer state and the
-    step's temporaries)."""
-    losses, peaks, lrs = [], [], []
+    step's temporaries), and what the step added to the memory allocated right
+    before it (measured by the allocator, immune to what earlier runs left)."""
+    losses, peaks, added, lrs = [], [], [], []
     for step in range(start, start + steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -153,15 +154,23 @@ def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0) 
         loss.backward()
         ddp.finish_grad_sync()
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         success, _, _ = optimizer.step()
         torch.cuda.synchronize()
         assert success, f"step {step} was skipped"
         peaks.append(torch.cuda.max_memory_allocated() - baseline)
+        added.append(torch.cuda.max_memory_allocated() - before)
         lrs.append(optimizer.param_groups[0]["lr"])
         scheduler.step(increment=1)
         losses.append(loss.item())
-    return {"losses": losses, "peaks": peaks, "lrs": lrs}
+    return {"losses": losses, "peaks": peaks, "added": added, "lrs": lrs, "baseline": baseline}
+
+
+def step_bound(bindings) -> int:
+    """What the stores say a step may add on the device (``step_device_bytes_bound``),
+    summed: a chain prepares (prefetches) every store before the first one steps."""
+    return sum(b.store.step_device_bytes_bound for b in bindings)
 
 
 def resident_state(optimizer) -> list[tuple[torch.Tensor, ...]]:
@@ -272,9 +281,15 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
         "losses_streamed": streamed["losses"],
         "step_peak_bytes_resident": max(resident["peaks"]),
         "step_peak_bytes_streamed": max(streamed["peaks"]),
+        "step_added_bytes_resident": max(resident["added"]),
+        "step_added_bytes_streamed": max(streamed["added"]),
+        "step_device_bytes_bound": step_bound(bindings),
+        "baselines": [resident["baseline"], control["baseline"], streamed["baseline"]],
         "state_bytes_total": sum(b.store.state_bytes_total for b in bindings),
         "bucket_bytes_max": max(b.store.bucket_bytes_max for b in bindings),
         "accounted_max_state_bytes": max(b.store.accounted_max_state_bytes for b in bindings),
+        "accounted_max_state_bytes_per_store": [b.store.accounted_max_state_bytes for b in bindings],
+        "bucket_bytes_max_per_store": [b.store.bucket_bytes_max for b in bindings],
         "buckets": sum(len(b.store.buckets) for b in bindings),
         "buckets_in_flight": bindings[0].store.config.depth,
     }
@@ -329,6 +344,8 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
             and all(all_same(s, r) for s, r in zip(state, resident_opt, strict=True)),
             "bytes_read": sum(b.store.total.bytes_read for b in bindings),
             "step_peak_bytes": max(variant["peaks"]),
+            "step_added_bytes": max(variant["added"]),
+            "step_device_bytes_bound": step_bound(bindings),
         }
         for b in bindings:
             b.store.close()

@@ -78,6 +78,11 @@ def test_loads_that_do_not_match_are_refused_with_their_reason(work, saved):
     assert "moment dtype differs" in refusals["moment_dtype"]
     assert "written without optimizer-state streaming" in refusals["unstreamed"]
     assert "bucket_00003.bin has" in refusals["truncated"] and "truncated" in refusals["truncated"]
+    # --no-load-optim on a checkpoint written without streaming: fresh Adam, said so, and it trains.
+    fresh = refusals["no_load_optim"]
+    assert fresh["iteration"] == 6 and fresh["steps_after_load"] == [0] and fresh["warned"], fresh
+    assert fresh["mains_are_loaded_params"] and fresh["moments_fresh"], fresh
+    assert len(fresh["losses_after"]) == 2 and all(loss == loss for loss in fresh["losses_after"]), fresh
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -82,7 +82,13 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
         assert rank["buckets"] > rank["chain_length"], f"{where}: expected several buckets per optimizer"
         assert rank["params_identical"] and rank["mains_identical"] and rank["moments_identical"], where
         assert rank["losses_identical"], where
-        assert rank["accounted_max_state_bytes"] <= rank["buckets_in_flight"] * rank["bucket_bytes_max"], where
+        for accounted, largest in zip(
+            rank["accounted_max_state_bytes_per_store"], rank["bucket_bytes_max_per_store"], strict=True
+        ):
+            assert accounted <= rank["buckets_in_flight"] * largest, where
+        # Measured by the allocator: the step adds no more than the stores' stated bound
+        # (buckets in flight, Adam's one-bucket temporary, the conversion scratch).
+        assert rank["step_added_bytes_streamed"] <= rank["step_device_bytes_bound"], where
         assert not rank["state_dict_has_param_state"], where
         assert rank["reload_mains_from_params"] and rank["reload_kept_moments"], where
         assert rank["bf16_mains_differ"], f"{where}: bf16 moments left no trace; was the dtype applied?"
@@ -94,5 +100,6 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
         assert saved >= 0.75 * rank["state_bytes_total"] - in_flight, where
         for name, variant in rank["variants"].items():
             assert variant["identical"], f"{where}: {name} is not byte-identical to the resident run"
+            assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"], f"{where}: {name}"
         # Remainder mains read 2 bytes per main instead of 4.
         assert rank["variants"]["remainder_mains"]["bytes_read"] < rank["variants"]["sync_engine"]["bytes_read"], where
