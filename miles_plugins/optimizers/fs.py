@@ -107,15 +107,16 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def require_free_space(path: str, needed: int, what: str) -> None:
+def require_free_space(path: str, needed: int, what: str, note: str = "") -> None:
     """Refuse (``ENOSPC``) unless the filesystem holding ``path`` (or its nearest
-    existing ancestor) has ``needed`` bytes free; ``what`` says what they are for."""
+    existing ancestor) has ``needed`` bytes free; ``what`` says what they are for,
+    ``note`` is added to the message."""
     existing = nearest_existing(path)
     free = shutil.disk_usage(existing).free
     if free < needed:
         raise StreamIOError(
             f"not enough free space for {what} in {path}: needs {format_bytes(needed)} ({needed} bytes), "
-            f"{format_bytes(free)} ({free} bytes) free; nothing was written",
+            f"{format_bytes(free)} ({free} bytes) free; nothing was written{note}",
             path,
             0,
             errno.ENOSPC,

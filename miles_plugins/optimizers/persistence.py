@@ -99,7 +99,7 @@ class Persistence:
         make_dirs(base_dir)
         remove_private_dir(partial)  # left by a save that was interrupted
         needed = sum(b.file_size for b in self.buckets) + self._resident_bytes()
-        require_free_space(base_dir, needed, f"a save of the optimizer state (a previous save in {base_dir} is kept)")
+        require_free_space(base_dir, needed, "a save of the optimizer state", "; a previous save there is kept")
         os.mkdir(partial, 0o700)
         try:
             files = {}
