@@ -232,6 +232,7 @@ def replace_dir(new: str, final: str) -> None:
     if _exchange(new, final):
         fsync_dir(parent)
         remove_private_dir(new)  # the previous directory, now at `new`
+        remove_private_dir(backup)  # left by a fallback replace cut off after its second rename
         return
     remove_private_dir(backup)  # `final` is complete: a stale backup is not needed
     _rename(final, backup)

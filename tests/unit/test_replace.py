@@ -106,3 +106,17 @@ def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp
         "the next save left only rank0",
         "the save in progress (its caller never saw it return)",
     )
+
+
+def test_a_backup_left_beside_a_complete_save_is_removed_by_the_next_save(tmp_path):
+    """A fallback replace cut off after its second rename leaves the new save in
+    place and the previous one beside it: loads read the new one, and the next
+    save (with or without the exchange) removes the leftover."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    (ckpt / ".rank0.previous").mkdir()
+    (ckpt / ".rank0.previous" / "manifest.json").write_text("{}")
+    assert streamed.load_from(str(ckpt)) and streamed.store.steps_taken == SAVE_AT
+    streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    streamed.close()
