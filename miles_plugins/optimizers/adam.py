@@ -19,6 +19,7 @@ have a backend here.
 from __future__ import annotations
 
 import inspect
+import math
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class BucketOptimizer:
         storage released; their bytes are re-read from storage); moments an entry
         got since the snapshot (its first update) are dropped with its state."""
         for group, saved_group, saved_params in zip(self._groups, snapshot.groups, snapshot.params, strict=True):
-            group.update({k: _unclone(v) for k, v in saved_group.items()})
+            self._set_group_state(group, {k: _unclone(v) for k, v in saved_group.items()})
             for p, scalars in zip(group["params"], saved_params, strict=True):
                 if scalars is None:
                     self.optimizer.state.pop(p, None)
@@ -96,8 +97,10 @@ class BucketOptimizer:
 
     def check_state(self, saved: object) -> list[str]:
         """What keeps :meth:`export_state`'s output ``saved`` from fitting this
-        optimizer (group and param counts, value types); empty when it fits.
-        Changes nothing."""
+        optimizer: group and param counts, and every value exactly what this
+        backend keeps (step counts: whole numbers >= 1, as a tensor of a float
+        dtype where torch keeps one). Empty when it fits; changes nothing, so a
+        state that passes imports without error."""
         if not isinstance(saved, dict) or not isinstance(saved.get("groups"), list):
             return ["its optimizer state is not an object with 'groups' and 'params'"]
         groups, params = saved["groups"], saved.get("params")
@@ -105,17 +108,21 @@ class BucketOptimizer:
             return [f"{len(groups)} saved param groups, {len(self._groups)} live"]
         problems = []
         for index, (group, saved_group, saved_params) in enumerate(zip(self._groups, groups, params, strict=True)):
-            if not isinstance(saved_group, dict) or not set(saved_group) <= self.backend.group_state_keys:
-                problems.append(f"group {index}: unexpected group state {saved_group!r}")
-            elif not all(_is_number(v) for v in saved_group.values()):
-                problems.append(f"group {index}: group state {saved_group!r} is not numeric")
+            if (
+                not isinstance(saved_group, dict)
+                or not set(saved_group) <= self.backend.group_state_keys
+                or not all(_is_step_count(v) for v in saved_group.values())
+            ):
+                problems.append(f"group {index}: group state {_short(saved_group)} is not a step count")
             if not isinstance(saved_params, list) or len(saved_params) != len(group["params"]):
                 count = len(saved_params) if isinstance(saved_params, list) else saved_params
                 problems.append(f"group {index}: {count} saved params in a group of {len(group['params'])}")
                 continue
             for k, scalars in enumerate(saved_params):
-                if scalars is not None and not _valid_scalars(scalars):
-                    problems.append(f"group {index}, param {k}: unreadable state {_short(scalars)}")
+                if scalars is not None and not self.backend.valid_param_state(scalars):
+                    problems.append(
+                        f"group {index}, param {k}: state {_short(scalars)} is not what this optimizer keeps"
+                    )
         return problems
 
     def import_state(self, saved: dict, materialize: bool) -> None:
@@ -124,7 +131,7 @@ class BucketOptimizer:
         when ``materialize`` (the caller then reads their bytes), with their
         storage released otherwise."""
         for group, saved_group, saved_params in zip(self._groups, saved["groups"], saved["params"], strict=True):
-            group.update(saved_group)
+            self._set_group_state(group, saved_group)
             for p, scalars in zip(group["params"], saved_params, strict=True):
                 if scalars is None:
                     self.optimizer.state.pop(p, None)
@@ -140,6 +147,15 @@ class BucketOptimizer:
     @property
     def _groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+    def _set_group_state(self, group: dict, saved: dict) -> None:
+        """The group's step state becomes ``saved``: keys it lacks are removed (a
+        fused Adam group that had not stepped has no ``step`` at all)."""
+        for key in self.backend.group_state_keys:
+            if key in saved:
+                group[key] = saved[key]
+            else:
+                group.pop(key, None)
 
 
 @dataclass
@@ -199,25 +215,31 @@ def _from_json(value, param: torch.Tensor):
     return torch.tensor(value["value"], dtype=dtype, device=device)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float))  # bool included
+# Step counts are stored as JSON numbers; beyond 2**53 a float loses whole numbers.
+_MAX_STEP_COUNT = 2**53
+# The dtypes torch keeps a step count tensor in (float32, or the default dtype).
+_STEP_TENSOR_DTYPES = frozenset({"torch.float32", "torch.float64"})
 
 
-def _valid_scalars(scalars) -> bool:
-    if not isinstance(scalars, dict):
-        return False
-    for value in scalars.values():
-        if isinstance(value, dict):
-            dtype = value.get("dtype")
-            if set(value) != {"value", "dtype", "on_param_device"} or not _is_number(value["value"]):
-                return False
-            if not isinstance(dtype, str) or not isinstance(
-                getattr(torch, dtype.removeprefix("torch."), None), torch.dtype
-            ):
-                return False
-        elif not _is_number(value):
-            return False
-    return True
+def _is_step_count(value) -> bool:
+    """A whole number of steps, at least one (state exists only after a step)."""
+    return (
+        type(value) in (int, float)
+        and math.isfinite(value)
+        and 1 <= value < _MAX_STEP_COUNT
+        and float(value).is_integer()
+    )
+
+
+def _is_step_tensor(value) -> bool:
+    """:func:`_to_json`'s form of a step count kept as a tensor."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"value", "dtype", "on_param_device"}
+        and _is_step_count(value["value"])
+        and value["dtype"] in _STEP_TENSOR_DTYPES
+        and type(value["on_param_device"]) is bool
+    )
 
 
 def _short(value) -> str:
@@ -234,6 +256,12 @@ class AdamBackend:
 
     master_types: tuple[type, ...] = ()
     group_state_keys: frozenset[str] = frozenset()
+
+    @staticmethod
+    def valid_param_state(scalars: object) -> bool:
+        """Whether ``scalars`` (a param's saved state but its moments) is what the
+        master's class keeps per param."""
+        return scalars == {}
 
     def __init__(self, master: torch.optim.Optimizer) -> None:
         self.master = master
@@ -271,6 +299,10 @@ class TorchAdamBackend(AdamBackend):
     """``torch.optim.Adam`` and ``torch.optim.AdamW``: the step count is per param state."""
 
     master_types = (torch.optim.Adam, torch.optim.AdamW)
+
+    @staticmethod
+    def valid_param_state(scalars: object) -> bool:
+        return isinstance(scalars, dict) and set(scalars) == {"step"} and _is_step_tensor(scalars["step"])
 
     def __init__(self, master: torch.optim.Optimizer) -> None:
         for index, group in enumerate(master.param_groups):

@@ -198,10 +198,10 @@ class FileBacking:
 
 def _direct_io_works(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
+        fd = open_file(path, os.O_RDWR | os.O_DIRECT)
+    except StreamIOError as exc:
         if exc.errno != errno.EINVAL:
-            raise StreamIOError(f"cannot open bucket file {path}: {exc.strerror}", path, 0, exc.errno) from exc
+            raise
         logger.warning(
             "the filesystem holding %s refuses O_DIRECT: using buffered I/O (the page cache will hold "
             "recently streamed state)",

@@ -73,13 +73,12 @@ class Manifest:
         """Parse and verify ``directory``'s manifest: its format, its own checksum,
         and the shape of its file table. Its content is compared by the caller."""
         path = os.path.join(directory, MANIFEST_NAME)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             raise CheckpointMismatchError(
                 f"{directory} holds no {MANIFEST_NAME}: the save that wrote it did not complete "
                 "(or the directory is not a streamed optimizer state); it cannot be loaded"
-            ) from None
+            )
+        fd = open_file(path, os.O_RDONLY)
         with os.fdopen(fd) as f:
             try:
                 data = json.load(f)
@@ -88,7 +87,7 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointMismatchError(f"{path} is not a streamed optimizer state manifest")
         version = data.get("format_version")
-        if version not in READABLE_VERSIONS:
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise CheckpointMismatchError(
                 f"{path} has format version {version!r}; this version reads {', '.join(map(str, READABLE_VERSIONS))}"
             )

@@ -44,9 +44,8 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
 def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     """Stream the state of every ``DistributedOptimizer`` in ``optimizer``'s chain.
 
-    The form for callers without an argparse namespace: ``config`` carries the
-    directory, moment dtype, bucket cap, staging chunk and allow-fresh-state
-    setting. ``config.name`` is the per-process prefix of the scratch
+    The form for callers without an argparse namespace: ``config`` carries
+    every setting (directory, tier, engine, formats, bucket cap, ...). ``config.name`` is the per-process prefix of the scratch
     subdirectories; make it unique per rank (e.g. ``rank<global rank>``).
     Returns one binding per streamed optimizer, in chain order.
     """

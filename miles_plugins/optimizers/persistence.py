@@ -260,7 +260,7 @@ class Persistence:
             problems.append(f"steps_taken is {steps!r}, not a step count")
         saved = data.get("bucket_state")
         if not isinstance(saved, list) or len(saved) != len(self.buckets):
-            problems.append(f"optimizer state for {_count(saved)} buckets, the layout has {len(self.buckets)}")
+            problems.append(f"the bucket optimizer state is not a list of {len(self.buckets)} (one per bucket)")
         else:
             for bucket, optimizer, state in zip(self.buckets, self.bucket_optimizers, saved, strict=True):
                 problems += [f"bucket {bucket.index}: {p}" for p in optimizer.check_state(state)]
@@ -336,7 +336,3 @@ def _check_crc(path: str, crc: int, expected: int) -> None:
         raise CheckpointMismatchError(
             f"{path}: CRC-32 {crc:#010x} does not match the manifest's {expected:#010x}: the checkpoint is corrupt"
         )
-
-
-def _count(value: object) -> object:
-    return len(value) if isinstance(value, list) else value

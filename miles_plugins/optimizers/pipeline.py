@@ -42,29 +42,31 @@ class StateAccounting:
     """The store's own count of optimizer-state bytes materialized on the device
     (mains and moments of the buckets in flight). Accounting, not a measurement:
     the allocator's figure (``torch.cuda.max_memory_allocated``) also holds
-    Adam's temporaries and conversion scratch."""
+    Adam's temporaries and conversion scratch. Each tensor counts once until
+    released, however often it is materialized."""
 
     current: int = 0
     peak: int = 0
+    _counted: dict[int, int] = field(default_factory=dict)  # id(tensor) -> bytes counted
 
     def materialize(self, t: torch.Tensor) -> None:
         """Give ``t`` its storage (a no-op for one that already has it) and count it."""
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().nbytes() != nbytes:
             t.untyped_storage().resize_(nbytes)
-        self._count(nbytes)
+        self.adopt(t)
 
     def adopt(self, t: torch.Tensor) -> None:
-        """Count a tensor the optimizer allocated itself (lazily created moments)."""
-        self._count(t.untyped_storage().nbytes())
+        """Count a tensor that already has its storage (e.g. moments the optimizer created)."""
+        if id(t) in self._counted:
+            return
+        self._counted[id(t)] = t.untyped_storage().nbytes()
+        self.current += self._counted[id(t)]
+        self.peak = max(self.peak, self.current)
 
     def release(self, t: torch.Tensor) -> None:
-        self.current -= t.untyped_storage().nbytes()
+        self.current -= self._counted.pop(id(t), 0)
         t.untyped_storage().resize_(0)
-
-    def _count(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
 
 
 @dataclass
@@ -119,7 +121,8 @@ class Pipeline:
         self.backing, self.engine, self.codec = backing, engine, codec
         self.depth, self.device, self.io_timeout_s = depth, device, io_timeout_s
         self.accounting = StateAccounting()
-        # Set once transfers hung: their memory may still be written and is abandoned.
+        # Set once transfers hung: their memory may still be written and is abandoned,
+        # so the store must not run again (it checks this flag).
         self.hung = False
         # Buckets whose reads prefetch() started, and what those reads moved.
         self._prefetched: deque[Flight] = deque()
@@ -159,18 +162,22 @@ class Pipeline:
         except BaseException as exc:
             # After a timeout nothing more is waited for: the deadline has passed.
             wait_s = 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s
-            self.hung = self.abort([*ahead, *writing, *([current] if current else [])], wait_s) or self.hung
+            self.abort([*ahead, *writing, *([current] if current else [])], wait_s)
             raise
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
         """Bucket ``index`` materialized and read (one at a time), released afterwards."""
         flight = self.fetch(index, StepStats(), moments)
+        wait_s = self.io_timeout_s
         try:
             self.finish_fetch(flight)
             yield flight
+        except StreamIOTimeout:
+            wait_s = 0.0  # the deadline has passed: do not wait for it again
+            raise
         finally:
-            self.hung = self.abort([flight], self.io_timeout_s) or self.hung
+            self.abort([flight], wait_s)
 
     # ---- prefetch --------------------------------------------------------------------
 
@@ -189,7 +196,7 @@ class Pipeline:
         """Forget prefetched buckets (their bytes are about to change, or are not needed)."""
         flights, self._prefetched = self._prefetched, deque()
         self._prefetch_stats = StepStats()
-        self.hung = self.abort(flights, self.io_timeout_s) or self.hung
+        self.abort(flights, self.io_timeout_s)
 
     def _take_prefetched(self, stats: StepStats) -> deque[Flight]:
         stats.add(self._prefetch_stats)
@@ -301,9 +308,10 @@ class Pipeline:
         """Stop using ``flights`` after a failure or when their state is not needed:
         wait until no transfer touches their memory, then release it. All the
         waits share one deadline, ``wait_s`` from now. Errors of the transfers
-        themselves were (or will be) reported by their owner. Returns True when
-        some transfers are still running at the deadline: their flights' memory
-        is then left allocated, since a late transfer may still write into it."""
+        themselves were (or will be) reported by their owner. Returns True (and
+        sets :attr:`hung`) when some transfers are still running at the
+        deadline: their flights' memory is then left allocated, since a late
+        transfer may still write into it."""
         deadline = time.monotonic() + wait_s
         hung = False
         for flight in flights:
@@ -322,4 +330,5 @@ class Pipeline:
                 continue
             flight.reads = flight.writes = None
             self._release(flight)
+        self.hung = self.hung or hung
         return hung

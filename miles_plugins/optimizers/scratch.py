@@ -38,7 +38,9 @@ from miles_plugins.optimizers.fs import (
     check_plain_dir,
     filesystem_type,
     format_bytes,
+    make_dirs,
     nearest_existing,
+    open_file,
     remove_private_dir,
     require_free_space,
 )
@@ -65,11 +67,11 @@ class ScratchDir:
         self.path = os.path.join(self.directory, name)
         self._lock_path = _lock_path(self.directory, name)
         self._lock_fd: int | None = None
+        # A forked child inherits this object, the atexit hook and the SIGTERM
+        # handler: only the process that made the scratch may remove it.
+        self._owner_pid = os.getpid()
         self._preflight(needed_bytes)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as exc:
-            raise StreamConfigError(f"cannot create state directory {self.directory}: {exc.strerror}") from exc
+        make_dirs(self.directory)
         fs_type = filesystem_type(self.directory)
         if fs_type in RAM_FILESYSTEMS:
             logger.warning(
@@ -102,21 +104,23 @@ class ScratchDir:
         require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
 
     def _lock(self) -> None:
-        try:
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise StreamConfigError(f"cannot create lock file {self._lock_path}: {exc.strerror}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StreamConfigError(
-                f"{self.path} is in use by another process (lock {self._lock_path} is held); "
-                "give each process its own scratch name or directory"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, LOCK_MARKER, 0)
-        self._lock_fd = fd
+        for _ in range(_LOCK_ATTEMPTS):
+            fd = open_file(self._lock_path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StreamConfigError(
+                    f"{self.path} is in use by another process (lock {self._lock_path} is held); "
+                    "give each process its own scratch name or directory"
+                ) from None
+            if _is_current(fd, self._lock_path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, LOCK_MARKER, 0)
+                self._lock_fd = fd
+                return
+            os.close(fd)  # its holder removed it between our open and our lock: take the new one
+        raise StreamConfigError(f"cannot take the lock {self._lock_path}: it keeps being replaced")
 
     def _unlock(self) -> None:
         if self._lock_fd is None:
@@ -136,8 +140,9 @@ class ScratchDir:
         remove_private_dir(self.path)
 
     def remove(self) -> None:
-        """Delete the subdirectory and release the lock; safe to call twice."""
-        if self._lock_fd is None:
+        """Delete the subdirectory and release the lock; safe to call twice, and a
+        no-op in a forked child (the scratch is its parent's)."""
+        if self._lock_fd is None or os.getpid() != self._owner_pid:
             return
         atexit.unregister(self.remove)
         _live.discard(self)
@@ -153,6 +158,21 @@ def _lock_path(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.lock")
 
 
+# A lock file's holder unlinks it before closing it: whoever opened it just before
+# can then lock a file no longer in place. Checked after every lock; this many tries.
+_LOCK_ATTEMPTS = 5
+
+
+def _is_current(fd: int, path: str) -> bool:
+    """Whether the open file ``fd`` is still the one at ``path``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
 # ---- SIGTERM -----------------------------------------------------------------------
 
 # The scratch directories of this process not yet removed.
@@ -160,6 +180,8 @@ _live: set[ScratchDir] = set()
 # The SIGTERM handler found when ours was installed (what it chains to).
 _previous_handler: object = None
 _installed = False
+# The process that installed it (a forked child inherits the handler, not the scratch).
+_installer_pid: int | None = None
 
 
 def _install_sigterm_cleanup() -> None:
@@ -167,13 +189,16 @@ def _install_sigterm_cleanup() -> None:
     the main thread only (Python delivers signals there); elsewhere the exit
     cleanup still runs on a graceful exit. Not installed when the process
     ignores SIGTERM: it goes on running, and so must its scratch."""
-    global _installed, _previous_handler
+    global _installed, _previous_handler, _installer_pid
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
+    if previous is signal.SIG_IGN or previous is None:
+        # Ignored, or a handler installed outside Python that cannot be chained to:
+        # leave SIGTERM alone (the exit cleanup still runs on a graceful exit).
         return
     _previous_handler = previous
+    _installer_pid = os.getpid()
     signal.signal(signal.SIGTERM, _on_sigterm)
     _installed = True
 
@@ -183,16 +208,18 @@ def _on_sigterm(signum: int, frame) -> None:
 
     A Python handler found at install time (e.g. Megatron's
     ``--exit-signal-handler``, which lets the training loop save a checkpoint
-    and exit) runs first; if it returns, the process goes on and needs its
+    and exit) runs instead; if it returns, the process goes on and needs its
     scratch, which the exit cleanup removes when the process ends. Otherwise
-    (the default action) every live scratch is removed and the signal is raised
+    (the default action) every live scratch of this process (not of a parent it
+    was forked from) is removed and the signal is raised
     again with the default action, so the process ends as SIGTERM would have
     ended it (exit status -15 to its parent).
     """
     if callable(_previous_handler):
         _previous_handler(signum, frame)
         return
-    for scratch in list(_live):
+    # In a forked child (an async-save worker, say) the scratch is the parent's: keep it.
+    for scratch in list(_live) if os.getpid() == _installer_pid else ():
         try:
             scratch.remove()
         except Exception:  # noqa: BLE001 - dying anyway; leave the rest to the purge
@@ -215,14 +242,20 @@ def purge(directory: str) -> tuple[list[str], list[str]]:
         name = entry[1:-5]
         lock, path = os.path.join(directory, entry), os.path.join(directory, name)
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            skipped.append(f"{lock}: cannot open it ({exc.strerror})")
+            fd = open_file(lock, os.O_RDWR)
+        except StreamIOError as exc:
+            if os.path.lexists(path):
+                skipped.append(f"{path}: cannot open its lock file ({exc})")
             continue
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or os.pread(fd, len(LOCK_MARKER), 0) != LOCK_MARKER:
-                continue  # not a scratch lock of ours
+                if os.path.lexists(path):
+                    skipped.append(
+                        f"{path}: its lock file does not carry this plugin's marker (an older version's, or "
+                        "not a scratch at all); remove it by hand if it is stale scratch"
+                    )
+                continue
             if st.st_uid != os.geteuid():
                 skipped.append(f"{path}: owned by uid {st.st_uid}, not by this user")
                 continue
@@ -230,6 +263,9 @@ def purge(directory: str) -> tuple[list[str], list[str]]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 skipped.append(f"{path}: in use (a running process holds {lock})")
+                continue
+            if not _is_current(fd, lock):
+                skipped.append(f"{path}: its lock file was replaced while purging (a run started); left alone")
                 continue
             what = _remove_stale(path)
             if what is None:

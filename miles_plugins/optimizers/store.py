@@ -235,14 +235,16 @@ class StreamingStore:
             updated.append((flight, flight.optimizer.snapshot() if blocker is None else None))
             self._update(flight)
 
+        resident_started = False
         try:
             self._pipeline.walk(update, stats)
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
+                resident_started = True
                 self._resident_optimizer.step()
         except BaseException as exc:
-            self._roll_back(updated, exc)
+            self._roll_back(updated, exc, resident_started)
             raise
         self._backing.commit()
         stats.seconds = time.perf_counter() - start
@@ -282,11 +284,14 @@ class StreamingStore:
             return "remainder mains need the params the step overwrote"
         return None
 
-    def _roll_back(self, updated: list[tuple[Flight, object]], exc: BaseException) -> None:
+    def _roll_back(self, updated: list[tuple[Flight, object]], exc: BaseException, resident_started: bool) -> None:
         """After a failed step: restore the pre-step state, or mark the store damaged."""
         failed = f"step {self.steps_taken + 1} failed ({exc})"
         if self._pipeline.hung:
             self._damaged = f"{failed}; transfers still hang, their memory cannot be reused"
+            return
+        if resident_started:
+            self._damaged = f"{failed} while updating the fp32-native params, which are updated in place"
             return
         if not updated:
             return  # no bucket was updated: nothing changed
@@ -326,15 +331,13 @@ class StreamingStore:
 
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
-        self._check_open()
-        self._pipeline.drop_prefetch()
+        self._settle()
         self._write_mains(copy_fn)
 
     def save_to(self, base_dir: str) -> None:
         """Save the full state under ``base_dir/<name>``; a previous save there is
         replaced in one step (see ``persistence.py``). Call between steps."""
-        self._check_open()
-        self._pipeline.drop_prefetch()
+        self._settle()
         self._persistence.save(base_dir, self.steps_taken)
 
     def load_from(self, base_dir: str, *, expected_steps: int | None = None) -> bool:
@@ -344,8 +347,7 @@ class StreamingStore:
         every problem at once) is refused with :class:`CheckpointMismatchError`
         before anything live changes, leaving the store as it was; a failure
         after that leaves it refusing to step."""
-        self._check_open()
-        self._pipeline.drop_prefetch()
+        self._settle()
         steps = self._persistence.load(base_dir, self._mark_damaged, expected_steps)
         if steps is None:
             return False
@@ -370,12 +372,21 @@ class StreamingStore:
         if self.scratch is not None:
             self.scratch.remove()
 
+    def _settle(self) -> None:
+        """Before touching the stored state outside a step: forget prefetched reads
+        (they may hang: the store then refuses), and check the store may go on."""
+        self._check_open()
+        self._pipeline.drop_prefetch()
+        self._check_open()
+
     def _mark_damaged(self, reason: str) -> None:
         self._damaged = reason
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreUnusableError(f"the optimizer-state store at {self.location} was closed; its state is gone")
+        if self._pipeline.hung and not self._damaged:
+            self._damaged = "transfers hang (a stalled drive?); their memory cannot be reused"
         if self._damaged:
             raise StoreUnusableError(
                 f"the optimizer-state store at {self.location} holds no consistent state: {self._damaged}. "
@@ -388,8 +399,7 @@ class StreamingStore:
     def iter_state(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Yield (entry index, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket
         in memory at a time; moments are None before the entry's first update."""
-        self._check_open()
-        self._pipeline.drop_prefetch()
+        self._settle()
         for i in self._resident_entries:
             moments = self._resident_optimizer.moments(self.entries[i].main)
             yield (i, self.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))

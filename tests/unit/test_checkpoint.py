@@ -393,3 +393,59 @@ def test_a_checkpoint_with_a_removed_moment_dtype_is_refused_saying_why(tmp_path
     message = refusal(tmp_path, saved)
     assert f"stores its moments as {removed}, which this version no longer reads" in message
     assert "diverges" in message and "--no-load-optim" in message
+
+
+def _set_first_step(value):
+    def change(data):
+        data["bucket_state"][0]["params"][0][0]["step"] = value
+
+    return change
+
+
+def _set_first_state(value):
+    def change(data):
+        data["bucket_state"][0]["params"][0][0] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _set_first_step({"value": 2**70, "dtype": "torch.float32", "on_param_device": False}),
+        _set_first_step({"value": float("nan"), "dtype": "torch.float32", "on_param_device": False}),
+        _set_first_step({"value": -3, "dtype": "torch.float32", "on_param_device": False}),
+        _set_first_step({"value": 2.5, "dtype": "torch.float32", "on_param_device": False}),
+        _set_first_step({"value": 3, "dtype": "torch.qint8", "on_param_device": False}),
+        _set_first_step({"value": 3, "dtype": "torch.float32", "on_param_device": "yes"}),
+        _set_first_step(3),
+        _set_first_state({}),
+        _set_first_state({"step": {"value": 3, "dtype": "torch.float32", "on_param_device": False}, "extra": 1}),
+        lambda data: data["bucket_state"][0]["groups"][0].update(step=1),
+    ],
+    ids=[
+        "step beyond 2**53",
+        "NaN step",
+        "negative step",
+        "fractional step",
+        "quantized dtype",
+        "device flag not a bool",
+        "step not a tensor",
+        "state without a step",
+        "unknown key",
+        "group step torch does not keep",
+    ],
+)
+def test_small_state_that_would_fail_or_poison_training_is_refused_before_the_commit(tmp_path, saved, change):
+    """Checksummed (a writer that means it, or a buggy one) but not what the
+    optimizer keeps: each used to pass, then damage the store after the commit
+    or load and break training later."""
+    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, change)
+    model, optimizer, scheduler, streamed = resume(tmp_path, saved)
+    train(model, optimizer, scheduler, range(1))
+    before = state_of(model, streamed)
+    with pytest.raises(CheckpointMismatchError, match="bucket 0: group 0"):
+        streamed.load_from(str(saved))
+    assert_same_training(before, state_of(model, streamed))
+    train(model, optimizer, scheduler, range(1, 2))
+    streamed.close()

@@ -333,3 +333,53 @@ def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, mon
         f"the next step refused: ...after updating some buckets, and {why}; the last checkpoint resumes byte-identical",
         "the steps since the last checkpoint (documented trade-off of this mode)",
     )
+
+
+def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report):
+    """A prefetched read that hangs is abandoned when a save drops it: its memory
+    may still be written, so the store must refuse to step (it used to go on and
+    free that memory under the late read: a crash)."""
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, io_timeout_s=IO_TIMEOUT_S)
+    with FaultPlan(tmp_path / "scratch", "read", nth=1, fault="hang", hang_s=2.0):
+        streamed.store.prefetch()
+        start = time.monotonic()
+        with pytest.raises(StoreUnusableError, match="transfers hang") as info:
+            streamed.save_to(str(tmp_path / "later"))
+        waited = time.monotonic() - start
+        with pytest.raises(StoreUnusableError, match="transfers hang"):
+            optimizer.step()
+        time.sleep(2.0)  # let the stalled read land before the process frees anything
+    streamed.close()
+    assert waited <= 1.2 * IO_TIMEOUT_S
+    assert not (tmp_path / "later" / "rank0").exists()
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        "a prefetched read hangs, then a save",
+        "the save and every later step are refused; the last checkpoint resumes",
+        f"refused after {waited:.2f} s: {info.value}",
+        "the steps since the last checkpoint",
+    )
+
+
+def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch):
+    """fp32-native params are updated in place, last: a failure there cannot be
+    rolled back, and the store must not claim it was."""
+    from miles_plugins.optimizers.adam import BucketOptimizer
+
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    resident = streamed.store._resident_optimizer
+    assert resident is not None, "the reference model has an fp32 param"
+
+    def failing_step(self):
+        if self is resident:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated inside the fp32-native update)")
+        return real_step(self)
+
+    real_step = BucketOptimizer.step
+    monkeypatch.setattr(BucketOptimizer, "step", failing_step)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step()
+    monkeypatch.undo()
+    with pytest.raises(StoreUnusableError, match="while updating the fp32-native params"):
+        optimizer.step()
+    streamed.close()

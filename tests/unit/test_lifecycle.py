@@ -236,3 +236,39 @@ def test_the_rollback_snapshot_never_reads_a_device_scalar_back_to_the_host():
     bucket.optimizer.state[main]["step"] += 1
     bucket.restore(snapshot)
     assert bucket.optimizer.state[main]["step"].item() == 7.0
+
+
+class _GroupStepAdamW(torch.optim.AdamW):
+    """Keeps a per-group step the way Transformer Engine's and apex's FusedAdam do
+    (absent until the first step), around torch's own update."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        return super().step(closure)
+
+
+def test_group_step_state_absent_before_the_first_step_is_restored_absent():
+    """A failed first step of a fused Adam must not leave group["step"] = 1 behind,
+    nor may importing a never-stepped save keep a live group's step."""
+    from miles_plugins.optimizers.adam import AdamBackend
+
+    class GroupStepBackend(AdamBackend):
+        master_types = (_GroupStepAdamW,)
+        group_state_keys = frozenset({"step"})
+
+    main = torch.zeros(8)
+    bucket = GroupStepBackend(_GroupStepAdamW([main], lr=1e-2)).build([(0, [main])])
+    never_stepped = bucket.export_state()
+    snapshot = bucket.snapshot()
+    main.grad = torch.ones(8)
+    bucket.step()
+    assert bucket.optimizer.param_groups[0]["step"] == 1
+    bucket.restore(snapshot)
+    assert "step" not in bucket.optimizer.param_groups[0] and not bucket.optimizer.state
+    bucket.step()
+    bucket.step()
+    assert bucket.optimizer.param_groups[0]["step"] == 2
+    assert bucket.check_state(never_stepped) == []
+    bucket.import_state(never_stepped, materialize=False)
+    assert "step" not in bucket.optimizer.param_groups[0]

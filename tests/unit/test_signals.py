@@ -133,3 +133,49 @@ def test_purge_leaves_another_users_scratch(tmp_path):
     result = _purge(tmp_path)
     assert "owned by uid 4242" in result.stdout
     assert (tmp_path / "rank0").is_dir()
+
+
+def test_purge_leaves_a_scratch_whose_lock_was_replaced_under_it(tmp_path, monkeypatch):
+    """The interleaving that let purge delete a live scratch: between purge's open
+    of the stale lock file and its flock, that run's owner exits (unlinking the
+    file) and the next run of the rank starts with a new lock file. The flock
+    then succeeds on a file no longer in place; purge must notice."""
+    first = _wrap(tmp_path, name="rank0")
+    real_flock = scratch_module.fcntl.flock
+    later = {}
+
+    def interleave(fd, operation):
+        if not later:
+            later["run"] = None
+            first.close()  # run 1 exits: its lock file is unlinked, then closed
+            later["run"] = _wrap(tmp_path, name="rank0")  # run 2 of the same rank
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(scratch_module.fcntl, "flock", interleave)
+    removed, skipped = scratch_module.purge(str(tmp_path))
+    monkeypatch.undo()
+    assert removed == [] and any("replaced while purging" in s for s in skipped), skipped
+    assert (tmp_path / "rank0").is_dir() and (tmp_path / ".rank0.lock").exists(), "run 2's scratch must survive"
+    later["run"].close()
+
+
+def test_a_forked_child_never_removes_its_parents_scratch(tmp_path):
+    """Megatron forks workers (async checkpoint saves): they inherit the scratch
+    object, its exit hook and the SIGTERM handler, but not the scratch."""
+    import multiprocessing
+
+    streamed = _wrap(tmp_path, name="rank0")  # installs the SIGTERM cleanup in this (main) thread
+    files = sorted(os.listdir(tmp_path / "rank0"))
+    context = multiprocessing.get_context("fork")
+    worker = context.Process(target=time.sleep, args=(60,))
+    worker.start()
+    time.sleep(0.5)
+    worker.terminate()  # SIGTERM
+    worker.join(30)
+    assert worker.exitcode == -signal.SIGTERM
+    exiting = context.Process(target=sys.exit, args=(0,))  # a child that exits normally: atexit runs
+    exiting.start()
+    exiting.join(30)
+    assert sorted(os.listdir(tmp_path / "rank0")) == files and (tmp_path / ".rank0.lock").exists()
+    streamed.close()
+    assert os.listdir(tmp_path) == []
