@@ -111,7 +111,7 @@ class BucketOptimizer:
             if (
                 not isinstance(saved_group, dict)
                 or not set(saved_group) <= self.backend.group_state_keys
-                or not all(_is_step_count(v) for v in saved_group.values())
+                or not all(type(v) is int and _is_step_count(v) for v in saved_group.values())
             ):
                 problems.append(f"group {index}: group state {_short(saved_group)} is not a step count")
             if not isinstance(saved_params, list) or len(saved_params) != len(group["params"]):
@@ -136,7 +136,7 @@ class BucketOptimizer:
                 if scalars is None:
                     self.optimizer.state.pop(p, None)
                     continue
-                state = {k: _from_json(v, p) for k, v in scalars.items()}
+                state = {k: _from_json(v, p, group) for k, v in scalars.items()}
                 for name in ("exp_avg", "exp_avg_sq"):
                     moment = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                     if not materialize:
@@ -199,20 +199,24 @@ def _to_json(key: str, value):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise StreamConfigError(f"optimizer state {key!r} is a tensor of {value.numel()} elements, not a scalar")
-        # Where torch keeps the step (CPU, or the param's device for fused and
-        # capturable steps) is part of the state: restored exactly as it was.
+        # Where it was kept is recorded; a load places it as the live group needs
+        # (see _from_json). Checkpoints only: a step's rollback never reads it.
         return {"value": value.item(), "dtype": str(value.dtype), "on_param_device": value.device.type != "cpu"}
     if isinstance(value, (int, float, bool)):
         return value
     raise StreamConfigError(f"optimizer state {key!r} of type {type(value).__name__} cannot be checkpointed")
 
 
-def _from_json(value, param: torch.Tensor):
+def _from_json(value, param: torch.Tensor, group: dict):
+    """A saved scalar as the live group needs it. A step tensor is placed as
+    ``torch.optim.Optimizer.load_state_dict`` places it: fp32 on the param's
+    device for a fused or capturable group, where the update reads it, and on
+    the host otherwise; so a state saved under one setting loads under another."""
     if not isinstance(value, dict):
         return value
-    dtype = getattr(torch, value["dtype"].removeprefix("torch."))
-    device = param.device if value["on_param_device"] else "cpu"
-    return torch.tensor(value["value"], dtype=dtype, device=device)
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(value["value"], dtype=torch.float32, device=param.device)
+    return torch.tensor(value["value"], dtype=getattr(torch, value["dtype"].removeprefix("torch.")))
 
 
 # Step counts are stored as JSON numbers; beyond 2**53 a float loses whole numbers.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,7 @@ class StreamConfig:
         if (
             isinstance(self.io_timeout_s, bool)
             or not isinstance(self.io_timeout_s, (int, float))
+            or not math.isfinite(self.io_timeout_s)
             or self.io_timeout_s <= 0
         ):
             raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")

@@ -52,11 +52,19 @@ def create_file(directory: str, name: str) -> Iterator[int]:
         os.close(fd)
 
 
+def fsync(fd: int, path: str) -> None:
+    """``os.fsync`` whose error names the file."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise StreamIOError(f"cannot make {path} durable (fsync): {exc.strerror}", path, 0, exc.errno) from exc
+
+
 def fsync_dir(path: str) -> None:
     """Make the entries of directory ``path`` (creations, renames) durable."""
     fd = open_file(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync(fd, path)
     finally:
         os.close(fd)
 
@@ -82,6 +90,14 @@ def make_dirs(path: str) -> None:
         raise StreamIOError(f"cannot create directory {path}: {exc.strerror}", path, 0, exc.errno) from exc
 
 
+def make_private_dir(path: str) -> None:
+    """Create the new directory ``path`` (``0700``; it must not exist)."""
+    try:
+        os.mkdir(path, 0o700)
+    except OSError as exc:
+        raise StreamIOError(f"cannot create directory {path}: {exc.strerror}", path, 0, exc.errno) from exc
+
+
 def remove_private_dir(path: str) -> None:
     """Delete a directory the store made, never following symlinks inside it
     (``shutil.rmtree`` works through directory fds on Linux); refuse anything
@@ -89,7 +105,19 @@ def remove_private_dir(path: str) -> None:
     if not os.path.lexists(path):
         return
     check_plain_dir(path)
-    shutil.rmtree(path)
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        raise StreamIOError(f"cannot remove {path}: {exc.strerror}", path, 0, exc.errno) from exc
+
+
+def _remove_replaced(path: str) -> None:
+    """Remove a directory a replace has made obsolete; the new one is in place
+    already, so a failure here is reported, not raised."""
+    try:
+        remove_private_dir(path)
+    except StreamIOError as exc:
+        logger.warning("%s; remove it by hand (the new save is complete and in place)", exc)
 
 
 def nearest_existing(path: str) -> str:
@@ -226,13 +254,13 @@ def replace_dir(new: str, final: str) -> None:
         # after moving it aside): it goes only once `final` exists again.
         _rename(new, final)
         fsync_dir(parent)
-        remove_private_dir(backup)
+        _remove_replaced(backup)
         return
     check_plain_dir(final)
     if _exchange(new, final):
         fsync_dir(parent)
-        remove_private_dir(new)  # the previous directory, now at `new`
-        remove_private_dir(backup)  # left by a fallback replace cut off after its second rename
+        _remove_replaced(new)  # the previous directory, now at `new`
+        _remove_replaced(backup)  # left by a fallback replace cut off after its second rename
         return
     remove_private_dir(backup)  # `final` is complete: a stale backup is not needed
     _rename(final, backup)
@@ -244,4 +272,4 @@ def replace_dir(new: str, final: str) -> None:
             os.rename(backup, final)  # put the previous one back; if that fails too, readers find the backup
         raise
     fsync_dir(parent)
-    remove_private_dir(backup)
+    _remove_replaced(backup)

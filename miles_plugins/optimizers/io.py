@@ -24,9 +24,10 @@ import errno
 import logging
 import mmap
 import os
+import queue
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -347,6 +348,57 @@ class SyncEngine:
         self.staging.release()
 
 
+class _DaemonPool:
+    """``threads`` daemon threads serving a queue of calls, each with its future.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads at interpreter
+    exit: one thread stuck in a read from a hung drive would keep the process
+    (and, since that join runs before ``atexit``, its scratch) alive forever.
+    Daemon threads are abandoned at exit instead.
+    """
+
+    def __init__(self, threads: int, name: str, init: Callable[[], None]) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(init,), name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, init: Callable[[], None]) -> None:
+        init()
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool) -> None:
+        """Stop the threads after the calls already queued (``wait``), or cancel
+        those calls and leave running ones behind (``wait=False``: they hang)."""
+        if not wait:
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call[0].cancel()
+        for _ in self._threads:
+            self._calls.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
 class PipelinedEngine:
     """Reader and writer threads, ``threads`` of each: every chunk is one request,
     so up to ``threads`` reads and ``threads`` writes are in flight at once.
@@ -380,8 +432,8 @@ class PipelinedEngine:
                 torch.cuda.set_device(device)
                 self._local.stream = torch.cuda.Stream(device)
 
-        self._readers = concurrent.futures.ThreadPoolExecutor(threads, "stream-read", init_worker)
-        self._writers = concurrent.futures.ThreadPoolExecutor(threads, "stream-write", init_worker)
+        self._readers = _DaemonPool(threads, "stream-read", init_worker)
+        self._writers = _DaemonPool(threads, "stream-write", init_worker)
 
     def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         local = self._local
@@ -410,8 +462,8 @@ class PipelinedEngine:
     def close(self, wait: bool = True) -> None:
         """Stop the threads; with ``wait=False`` (after a timeout) hung requests are
         abandoned, and their staging stays allocated for them."""
-        self._readers.shutdown(wait=wait, cancel_futures=not wait)
-        self._writers.shutdown(wait=wait, cancel_futures=not wait)
+        self._readers.shutdown(wait)
+        self._writers.shutdown(wait)
         if wait:
             for staging in self._stagings:
                 staging.release()

@@ -26,7 +26,7 @@ from typing import Any
 
 from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.fs import open_file
+from miles_plugins.optimizers.fs import fsync, open_file
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,11 @@ class Manifest:
         with its own checksum."""
         data = {**self.data, "format": FORMAT, "format_version": FORMAT_VERSION}
         data[CHECKSUM_KEY] = checksum(data)
-        fd = open_file(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        with os.fdopen(fd, "w") as f:
+        path = os.path.join(directory, MANIFEST_NAME)
+        with os.fdopen(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno(), path)
 
     @classmethod
     def read(cls, directory: str) -> Manifest:

@@ -5,9 +5,13 @@ its fp32 main shards and rebinds, on that instance only (never on the class:
 two optimizers in one process may differ), every entry point that touches
 optimizer state:
 
-- ``prepare_grads``: upstream's own method, after starting the reads of the
-  first buckets (``store.prefetch()``), so they overlap the grad copy, the
-  unscale and the grad-norm reduction that upstream runs before the step.
+- ``prepare_grads``: upstream's own method, then, unless it found inf/nan
+  grads (the step is then skipped), the reads of the first buckets start
+  (``store.prefetch()``), so they overlap the grad-norm reduction and the
+  clipping that upstream runs before the step.
+- ``zero_grad``: upstream's own method, after dropping reads prefetched for a
+  step that never ran (another optimizer of the chain found inf/nan), so no
+  bucket stays on the device through the next forward and backward.
 - ``step_with_ready_grads``: upstream's own method still runs, all-gather tail
   included; inside it the inner optimizer's ``step`` is the streamed step, which
   copies each bucket's updated mains into the param buffer as the bucket
@@ -193,7 +197,9 @@ class MegatronBinding:
             # Megatron did not load the optimizer state (--no-load-optim, --finetune, a
             # release checkpoint): the mains were rebuilt from the loaded params.
             logger.warning(
-                "%s: the optimizer state is not loaded from this checkpoint; Adam starts fresh from the loaded params",
+                "%s: the optimizer state is not loaded from this checkpoint (--no-load-optim, --finetune or a "
+                "release checkpoint): the mains are rebuilt from the loaded params and the moments kept as they "
+                "are; in a new run, Adam starts fresh from the loaded params",
                 self.store.config.name,
             )
             return False
@@ -314,10 +320,21 @@ class MegatronBinding:
         )
         upstream_step_with_ready_grads = opt.step_with_ready_grads
         upstream_prepare_grads = opt.prepare_grads
+        upstream_zero_grad = opt.zero_grad
 
         def prepare_grads(self_: Any) -> bool:
-            store.prefetch()
-            return upstream_prepare_grads()
+            found_inf = upstream_prepare_grads()
+            # Unless the step is about to be skipped (inf/nan grads), start reading its
+            # first buckets: the reads overlap the grad-norm reduction and clipping.
+            if not found_inf:
+                store.prefetch()
+            return found_inf
+
+        def zero_grad(self_: Any, *args, **kwargs) -> None:
+            # A new iteration: reads prefetched for a step that never ran (another
+            # optimizer in the chain found inf/nan) must not stay on the device.
+            store.drop_prefetch()
+            return upstream_zero_grad(*args, **kwargs)
 
         def step_with_ready_grads(self_: Any) -> bool:
             before = store.steps_taken
@@ -362,6 +379,7 @@ class MegatronBinding:
 
         for name, fn in (
             ("prepare_grads", prepare_grads),
+            ("zero_grad", zero_grad),
             ("step_with_ready_grads", step_with_ready_grads),
             ("_copy_main_params_to_model_params", copy_main_params_to_model_params),
             ("reload_model_params", reload_model_params),

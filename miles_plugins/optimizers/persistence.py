@@ -40,8 +40,10 @@ from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.fs import (
     check_plain_dir,
     create_file,
+    fsync,
     fsync_dir,
     make_dirs,
+    make_private_dir,
     open_file,
     previous_path,
     remove_private_dir,
@@ -100,14 +102,14 @@ class Persistence:
         remove_private_dir(partial)  # left by a save that was interrupted
         needed = sum(b.file_size for b in self.buckets) + self._resident_bytes()
         require_free_space(base_dir, needed, "a save of the optimizer state", "; a previous save there is kept")
-        os.mkdir(partial, 0o700)
+        make_private_dir(partial)
         try:
             files = {}
             for bucket in self.buckets:
                 with create_file(partial, bucket.file_name) as dst:
                     path = os.path.join(partial, bucket.file_name)
                     crc = self.backing.export(bucket, dst, path, self.buffer())
-                    os.fsync(dst)
+                    fsync(dst, path)
                 files[bucket.file_name] = {"size": bucket.file_size, "crc32": crc}
             if self.resident_optimizer is not None:
                 files[RESIDENT_FILE] = self._save_resident(partial)
@@ -156,7 +158,7 @@ class Persistence:
                 pwrite_full(fd, path, size, memoryview(data))
                 crc = zlib.crc32(data, crc)
                 size += len(data)
-            os.fsync(fd)
+            fsync(fd, path)
         return {"size": size, "crc32": crc}
 
     # ---- load --------------------------------------------------------------------

@@ -32,6 +32,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.fs import (
@@ -39,6 +40,7 @@ from miles_plugins.optimizers.fs import (
     filesystem_type,
     format_bytes,
     make_dirs,
+    make_private_dir,
     nearest_existing,
     open_file,
     remove_private_dir,
@@ -83,7 +85,7 @@ class ScratchDir:
         self._lock()
         try:
             self._purge()
-            os.mkdir(self.path, 0o700)
+            make_private_dir(self.path)
         except BaseException:
             self._unlock()
             raise
@@ -106,14 +108,12 @@ class ScratchDir:
     def _lock(self) -> None:
         for _ in range(_LOCK_ATTEMPTS):
             fd = open_file(self._lock_path, os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock_within(fd, _LOCK_WAIT_S):
                 os.close(fd)
                 raise StreamConfigError(
-                    f"{self.path} is in use by another process (lock {self._lock_path} is held); "
-                    "give each process its own scratch name or directory"
-                ) from None
+                    f"{self.path} is in use by another process (lock {self._lock_path} held for "
+                    f"{_LOCK_WAIT_S:g} s); give each process its own scratch name or directory"
+                )
             if _is_current(fd, self._lock_path):
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, LOCK_MARKER, 0)
@@ -161,6 +161,23 @@ def _lock_path(directory: str, name: str) -> str:
 # A lock file's holder unlinks it before closing it: whoever opened it just before
 # can then lock a file no longer in place. Checked after every lock; this many tries.
 _LOCK_ATTEMPTS = 5
+# How long a starting process waits for a lock held by someone else: long enough
+# for a purge (a job epilog) to finish with a stale scratch of the same name, short
+# enough that two processes given the same name are told so at once.
+_LOCK_WAIT_S = 5.0
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive flock on ``fd``, trying for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
 
 def _is_current(fd: int, path: str) -> bool:
@@ -182,6 +199,20 @@ _previous_handler: object = None
 _installed = False
 # The process that installed it (a forked child inherits the handler, not the scratch).
 _installer_pid: int | None = None
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the scratch and its lock are the parent's. Closing
+    the inherited lock fd keeps a long-lived child (an async-save worker) from
+    holding the lock past its parent's death, which would refuse the restart."""
+    for scratch in list(_live):
+        if scratch._lock_fd is not None:
+            os.close(scratch._lock_fd)
+            scratch._lock_fd = None
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _install_sigterm_cleanup() -> None:

@@ -77,6 +77,10 @@ class StreamingStore:
         topology: the parallel layout this state belongs to (sizes and this
             rank's coordinates), recorded by ``save_to`` and required equal by
             ``load_from``.
+        grad_bytes_per_element: device bytes ``grad_fn`` allocates per element
+            of the bucket being updated (4 where it widens bf16 grads to fp32;
+            0 where the fp32 grads exist already, as Megatron's do): part of
+            :attr:`step_device_bytes_bound`.
 
     Construction validates the directory and free space before writing
     anything (disk tier), then writes every bucket's initial mains and releases
@@ -94,9 +98,11 @@ class StreamingStore:
         copy_to_model: EntryFn | None = None,
         init_main: CopyFn | None = None,
         topology: dict[str, int] | None = None,
+        grad_bytes_per_element: int = 0,
     ) -> None:
         self.config = config
         self.entries = list(entries)
+        self._grad_bytes_per_element = grad_bytes_per_element
         self._grad_fn = grad_fn or (lambda entry: entry.main.grad)
         self._copy_to_model = copy_to_model or (lambda entry: None)
         # Set when a step or a load failed in a way that left no consistent state.
@@ -199,14 +205,12 @@ class StreamingStore:
     @property
     def step_device_bytes_bound(self) -> int:
         """The most device memory a step adds to what was allocated before it:
-        ``buckets_in_flight`` largest buckets, Adam's temporary for one bucket and
-        the conversion scratch (see the constants above)."""
+        ``buckets_in_flight`` largest buckets, Adam's temporary and the grads
+        ``grad_fn`` makes for one bucket, and the conversion scratch (see the
+        constants above)."""
         largest = max((b.numel for b in self.buckets), default=0)
-        return (
-            self.config.depth * self.bucket_bytes_max
-            + ADAM_TEMPORARY_BYTES_PER_ELEMENT * largest
-            + CONVERSION_SCRATCH_BYTES
-        )
+        per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
+        return self.config.depth * self.bucket_bytes_max + per_element * largest + CONVERSION_SCRATCH_BYTES
 
     # ---- the contract --------------------------------------------------------
 
@@ -329,6 +333,12 @@ class StreamingStore:
         if self.config.pipelined:
             self._pipeline.prefetch()
 
+    def drop_prefetch(self) -> None:
+        """Release what :meth:`prefetch` read when no step will use it (e.g. the step
+        was skipped for an inf/nan in the grads)."""
+        if not self._closed:
+            self._pipeline.drop_prefetch()
+
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
         self._settle()
@@ -404,9 +414,14 @@ class StreamingStore:
             moments = self._resident_optimizer.moments(self.entries[i].main)
             yield (i, self.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))
         for bucket in self.buckets:
+            # The whole bucket is copied and released before anything is yielded: a
+            # caller may step, load or refresh while this generator is suspended.
             with self._pipeline.read_one(bucket.index) as flight:
-                for i, entry in zip(bucket.entry_indices, flight.entries, strict=True):
-                    yield (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))
+                copies = [
+                    (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))
+                    for i, entry in zip(bucket.entry_indices, flight.entries, strict=True)
+                ]
+            yield from copies
 
     # ---- construction helpers --------------------------------------------------
 

@@ -77,6 +77,8 @@ class StreamedOptimizer:
             grad_fn=_fp32_grad,
             copy_to_model=_copy_main_to_param,
             init_main=_copy_param_to_main,
+            # _fp32_grad widens each non-fp32 grad of the bucket being updated.
+            grad_bytes_per_element=4 if any(e.param.dtype != torch.float32 for e in entries) else 0,
         )
         bind_master(optimizer, self.store.step, checkpoint_with="StreamedOptimizer.save_to(dir) / load_from(dir)")
 

@@ -89,3 +89,29 @@ def test_fused_adam_steps_read_no_device_scalar_to_the_host(tmp_path, monkeypatc
     assert reads == [], f"{len(reads)} device scalars read back during {STEPS} steps"
     assert_same_training((ref_params, ref_state), (params, state))
     streamed.close()
+
+
+@pytest.mark.parametrize("setting", ["fused", "capturable"])
+def test_a_checkpoint_of_plain_adamw_resumes_under_fused_or_capturable(tmp_path, setting):
+    """Plain AdamW keeps its step counts on the host, fused and capturable ones on
+    the device: a load must place them as the live group needs (a step after the
+    load used to fail: 'state_steps is on cpu')."""
+    from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+    from tests.unit.reference import Net, groups, loss_fn
+
+    def run(opt_cls, steps, load=None, save=None):
+        model = Net(torch.bfloat16).to("cuda")
+        optimizer = opt_cls(groups(model))
+        config = StreamConfig(directory=str(tmp_path / "scratch"), bucket_cap_elements=1500)
+        with StreamedOptimizer(optimizer, config) as streamed:
+            if load:
+                assert streamed.load_from(load)
+            for step in steps:
+                loss_fn(model, step).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if save:
+                streamed.save_to(save)
+
+    run(torch.optim.AdamW, range(3), save=str(tmp_path / "ckpt"))
+    run(functools.partial(torch.optim.AdamW, **{setting: True}), range(3, 5), load=str(tmp_path / "ckpt"))

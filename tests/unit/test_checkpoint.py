@@ -5,6 +5,7 @@ The round trip is judged against an independent resident run
 store itself.
 """
 
+import functools
 import json
 import os
 
@@ -448,4 +449,22 @@ def test_small_state_that_would_fail_or_poison_training_is_refused_before_the_co
         streamed.load_from(str(saved))
     assert_same_training(before, state_of(model, streamed))
     train(model, optimizer, scheduler, range(1, 2))
+    streamed.close()
+
+
+def test_a_state_saved_by_plain_adamw_loads_into_a_fused_one_and_back(tmp_path):
+    """torch.optim's own load_state_dict places a step count by the live group
+    (fp32 on the param's device when fused or capturable): a checkpoint written
+    under one setting resumes under the other."""
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt)[3].close()
+    fused = functools.partial(torch.optim.AdamW, fused=True)
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, opt_cls=fused)
+    assert streamed.load_from(str(ckpt))
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 2))
+    streamed.save_to(str(tmp_path / "fused"))
+    streamed.close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    assert streamed.load_from(str(tmp_path / "fused"))
+    train(model, optimizer, scheduler, range(SAVE_AT + 2, SAVE_AT + 3))
     streamed.close()

@@ -13,6 +13,9 @@ import errno
 import logging
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -23,6 +26,7 @@ from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusab
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
+from tests.unit.test_bad_input import REPO
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, save_run, state_of, train
 
 pytestmark = pytest.mark.fault
@@ -383,3 +387,43 @@ def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_p
     with pytest.raises(StoreUnusableError, match="while updating the fp32-native params"):
         optimizer.step()
     streamed.close()
+
+
+def test_a_transfer_hung_for_good_does_not_keep_the_process_alive(tmp_path, fault_report):
+    """A drive that never answers: the step fails at its timeout, and the process
+    can still exit (and remove its scratch on the way). Worker threads are
+    daemons; the standard thread pool would join the stuck one at exit, forever."""
+    code = textwrap.dedent(f"""
+        import sys
+        from tests.faults import FaultPlan
+        from tests.unit.test_checkpoint import fresh, train
+        work = {str(tmp_path)!r}
+        model, optimizer, scheduler, streamed = fresh(__import__("pathlib").Path(work), "rank0", io_timeout_s=0.5)
+        train(model, optimizer, scheduler, range(1))
+        plan = FaultPlan(work + "/scratch", "write", nth=1, fault="hang", hang_s=10**6)
+        plan.__enter__()  # never left: the write stays stuck
+        try:
+            train(model, optimizer, scheduler, range(1, 2))
+        except Exception as exc:
+            print("step failed:", type(exc).__name__, flush=True)
+        sys.exit(0)  # no close(): the exit cleanup must still run
+    """)
+    start = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    seconds = time.monotonic() - start
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "step failed: StreamIOTimeout" in child.stdout
+    assert os.listdir(tmp_path / "scratch") == [], "the exit cleanup removed the scratch"
+    fault_report(
+        "a write hangs for good, then the process exits",
+        "the step fails at io_timeout_s; the process exits and removes its scratch",
+        f"StreamIOTimeout; exited 0 after {seconds:.1f} s in all; scratch removed",
+        "the steps since the last checkpoint",
+    )

@@ -272,3 +272,23 @@ def test_group_step_state_absent_before_the_first_step_is_restored_absent():
     assert bucket.check_state(never_stepped) == []
     bucket.import_state(never_stepped, materialize=False)
     assert "step" not in bucket.optimizer.param_groups[0]
+
+
+def test_a_suspended_iter_state_survives_a_step_and_a_load(tmp_path):
+    """iter_state copies each bucket to the host and releases it before yielding:
+    stepping (or loading) while the generator is suspended must not touch memory
+    it still reads (it did: a segfault)."""
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model)
+    _backward(model, 0)
+    optimizer.step()
+    reader = streamed.iter_state()
+    first = next(reader)
+    optimizer.zero_grad()
+    _backward(model, 1)
+    optimizer.step()
+    streamed.save_to(str(tmp_path / "ckpt"))
+    assert streamed.load_from(str(tmp_path / "ckpt"))
+    rest = list(reader)  # the copies taken before the step
+    assert first[1].shape == first[0].shape and len(rest) == len(list(model.parameters())) - 1
+    streamed.close()

@@ -72,6 +72,7 @@ def dp1_distributed_optimizer(seed: int = 0):
     opt.buffers = [types.SimpleNamespace(buckets=[types.SimpleNamespace(param_data=buffer)])]
     mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
     opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
+    opt.shard_float16_groups = [[p.detach().view(-1) for p in params]]
     opt.model_fp32_groups, opt.shard_fp32_groups = [[]], [[]]
     opt.optimizer = torch.optim.AdamW([{"params": mains}], lr=LR, weight_decay=0.1)
     opt.config = OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True)
@@ -222,4 +223,19 @@ def test_offload_and_parameter_state_files_are_no_ops(tmp_path):
         assert call() is None
     assert opt.save_parameter_state(os.path.join(str(tmp_path), "x.pt")) is None
     assert not (tmp_path / "x.pt").exists()
+    binding.store.close()
+
+
+def test_zero_grad_releases_reads_prefetched_for_a_step_that_never_ran(tmp_path):
+    """With fp16 loss scaling a step is skipped when the grads hold inf/nan; a chain
+    member may have prefetched for it. The next iteration's zero_grad drops them."""
+    opt, _, binding = bind(tmp_path)
+    train(opt, binding, range(1))
+    binding.store.prefetch()
+    mains = [entry.main for entry in binding.entries]
+    assert any(m.untyped_storage().nbytes() for m in mains), "prefetch materialized the first buckets"
+    opt.zero_grad()
+    assert not any(m.untyped_storage().nbytes() for m in mains)
+    assert binding.store._pipeline.accounting.current == 0
+    train(opt, binding, range(1, 2))
     binding.store.close()
