@@ -392,6 +392,14 @@ def backend_for(master: torch.optim.Optimizer) -> AdamBackend:
     )
 
 
+_STREAMED_MARK = "_miles_streamed"
+
+
+def is_streamed(master: torch.optim.Optimizer) -> bool:
+    """Whether :func:`bind_master` already routed ``master`` to a streamed state."""
+    return getattr(master, _STREAMED_MARK, False)
+
+
 def bind_master(master: torch.optim.Optimizer, step, *, checkpoint_with: str) -> None:
     """Route ``master``'s own entry points to the streamed state, on this instance only.
 
@@ -415,5 +423,6 @@ def bind_master(master: torch.optim.Optimizer, step, *, checkpoint_with: str) ->
     # Bound as methods of the instance (not of the class): LR schedulers re-wrap
     # `step` through its __func__, which must take the optimizer as first argument.
     master.step = types.MethodType(streamed_step, master)
+    setattr(master, _STREAMED_MARK, True)
     master.state_dict = types.MethodType(refuse_state_dict, master)
     master.load_state_dict = types.MethodType(refuse_state_dict, master)

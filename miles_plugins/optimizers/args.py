@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_hooks.contract import STORE_ATTR
 from miles_plugins.optimizers.config import (
     DEFAULT_BUCKET_CAP_ELEMENTS,
     DEFAULT_BUCKETS_IN_FLIGHT,
@@ -226,6 +227,12 @@ REFUSALS: tuple[Refusal, ...] = (
         on_args=_flag("reuse_grad_buf_for_mxfp8_param_ag"),
         setting="reuse_grad_buf_for_mxfp8_param_ag is on",
         on_optimizer=_setting("reuse_grad_buf_for_mxfp8_param_ag", "config"),
+    ),
+    Refusal(
+        "set streaming up once per optimizer: a second store would take the first one's released mains "
+        "for its initial state",
+        setting="this optimizer streams already",
+        on_optimizer=lambda o: STORE_ATTR in vars(o),
     ),
     Refusal(
         "set streaming up right after get_megatron_optimizer(), or its resident moments stay allocated "

@@ -139,10 +139,7 @@ class StreamConfig:
         if isinstance(self.bucket_cap_elements, bool) or not isinstance(self.bucket_cap_elements, int):
             raise StreamConfigError(f"bucket cap must be an integer element count, got {self.bucket_cap_elements!r}")
         if self.bucket_cap_elements <= 0:
-            raise StreamConfigError(
-                f"bucket cap must be > 0 elements, got {self.bucket_cap_elements}; "
-                f"the default is {DEFAULT_BUCKET_CAP_ELEMENTS}"
-            )
+            raise StreamConfigError(f"bucket cap must be > 0 elements, got {self.bucket_cap_elements}")
         if (
             isinstance(self.staging_chunk_mb, bool)
             or not isinstance(self.staging_chunk_mb, int)

@@ -143,7 +143,8 @@ def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
             found.append(
                 f"the checkpoint stores its moments as {saved[key]}, which this version no longer reads: "
                 f"{REMOVED_MOMENT_DTYPES[saved[key]]}. Start the optimizer fresh from the checkpoint's params "
-                "(--no-load-optim), or resume it with the version that wrote it"
+                "(Megatron: --no-load-optim; plain PyTorch: skip load_from), or resume it with the version "
+                "that wrote it"
             )
         elif key == "layout":
             found.append(_layout_difference(saved.get(key) or [], live.get(key) or []))

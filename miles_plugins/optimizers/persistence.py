@@ -69,6 +69,10 @@ class Persistence:
         codec: the storage formats (``remainder``: its exceptions are state).
         resident_optimizer, resident_mains: the fp32-native entries' optimizer
             and mains (their moments are saved as one file), or None and [].
+        master_groups: the master optimizer's param groups, when their options
+            (lr as a scheduler left it, weight decay, ...) are saved and restored
+            here; None where the caller's own checkpoint carries them (Megatron's
+            optimizer state dict).
     """
 
     def __init__(
@@ -83,8 +87,10 @@ class Persistence:
         remainder: bool,
         resident_optimizer: BucketOptimizer | None,
         resident_mains: Sequence[torch.Tensor],
+        master_groups: list[dict] | None = None,
     ) -> None:
         self.name, self.description = name, description
+        self.master_groups = master_groups
         self.buckets, self.backing, self.bucket_optimizers = buckets, backing, bucket_optimizers
         self.buffer, self.codec, self.remainder = buffer, codec, remainder
         self.resident_optimizer, self.resident_mains = resident_optimizer, list(resident_mains)
@@ -120,6 +126,7 @@ class Persistence:
                     "bucket_state": [o.export_state() for o in self.bucket_optimizers],
                     "resident_state": self.resident_optimizer.export_state() if self.resident_optimizer else None,
                     "main_exceptions": self.codec.export() if self.remainder else None,
+                    "master_options": _options_to_json(self.master_groups) if self.master_groups else None,
                     "files": files,
                 }
             ).write(partial)
@@ -172,6 +179,12 @@ class Persistence:
         state began to change."""
         source = self._source(base_dir)
         if source is None:
+            logger.warning(
+                "no saved optimizer state for %s in %s (looked for %s): nothing loaded",
+                self.name,
+                base_dir,
+                os.path.join(base_dir, self.name),
+            )
             return None
         start = time.perf_counter()
         manifest = Manifest.read(source)
@@ -203,6 +216,8 @@ class Persistence:
                 self._restore_resident(manifest.data["resident_state"], resident)
             if self.remainder:
                 self.codec.restore(manifest.data["main_exceptions"])
+            if self.master_groups and manifest.data.get("master_options") is not None:
+                _restore_options(manifest.data["master_options"], self.master_groups)
         except BaseException as exc:
             mark_damaged(f"loading {source} failed after the live state began to change ({exc})")
             raise
@@ -272,6 +287,8 @@ class Persistence:
             ]
         if self.remainder:
             problems += self.codec.check(data.get("main_exceptions"), self.buckets)
+        if self.master_groups and data.get("master_options") is not None:
+            problems += _check_options(data["master_options"], self.master_groups)
         return problems
 
     def _copy_buckets(self, source: str, manifest: Manifest) -> None:
@@ -338,3 +355,52 @@ def _check_crc(path: str, crc: int, expected: int) -> None:
         raise CheckpointMismatchError(
             f"{path}: CRC-32 {crc:#010x} does not match the manifest's {expected:#010x}: the checkpoint is corrupt"
         )
+
+
+# ---- the master's param-group options ---------------------------------------------
+
+_JSON_SCALARS = (bool, int, float, str, type(None))
+_NO_JSON = object()  # an option without a JSON form: neither saved nor restored
+
+
+def _option_to_json(value):
+    """An option as JSON (tensor scalars, e.g. a capturable lr, as numbers), or _NO_JSON."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else _NO_JSON
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_option_to_json(v) for v in value]
+        return _NO_JSON if any(item is _NO_JSON or isinstance(item, list) for item in items) else items
+    return _NO_JSON
+
+
+def _options_to_json(groups: list[dict]) -> list[dict]:
+    return [
+        {k: j for k, v in group.items() if k != "params" and (j := _option_to_json(v)) is not _NO_JSON}
+        for group in groups
+    ]
+
+
+def _check_options(saved: object, groups: list[dict]) -> list[str]:
+    if not isinstance(saved, list) or len(saved) != len(groups) or not all(isinstance(g, dict) for g in saved):
+        return [f"the saved param-group options do not describe {len(groups)} groups"]
+    bad = sorted({k for g in saved for k, v in g.items() if k == "params" or _option_to_json(v) is _NO_JSON})
+    return [f"unreadable param-group options: {bad}"] if bad else []
+
+
+def _restore_options(saved: list[dict], groups: list[dict]) -> None:
+    """Set each group's options to the saved ones, in the live values' own forms
+    (a tuple stays a tuple; a tensor is filled in place)."""
+    for group, options in zip(groups, saved, strict=True):
+        for key, value in options.items():
+            live = group.get(key)
+            if isinstance(live, torch.Tensor):
+                live.fill_(value)
+            elif isinstance(live, tuple) and isinstance(value, list):
+                group[key] = tuple(
+                    old.new_tensor(v) if isinstance(old, torch.Tensor) else v
+                    for old, v in zip(live, value, strict=False)
+                )
+            else:
+                group[key] = value

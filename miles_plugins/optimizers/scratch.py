@@ -111,8 +111,8 @@ class ScratchDir:
             if not _flock_within(fd, _LOCK_WAIT_S):
                 os.close(fd)
                 raise StreamConfigError(
-                    f"{self.path} is in use by another process (lock {self._lock_path} held for "
-                    f"{_LOCK_WAIT_S:g} s); give each process its own scratch name or directory"
+                    f"{self.path} is in use by another process, or by another store of this one (lock "
+                    f"{self._lock_path} held for {_LOCK_WAIT_S:g} s); give each its own scratch name or directory"
                 )
             if _is_current(fd, self._lock_path):
                 os.ftruncate(fd, 0)
@@ -341,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     status = 0
     for directory in args.directories:
+        if not os.path.lexists(directory):
+            print(f"nothing to purge: {directory} does not exist")  # no rank ever ran on this node
+            continue
         if not os.path.isdir(directory):
             print(f"error: {directory} is not a directory", file=sys.stderr)
             status = 2

@@ -27,7 +27,7 @@ import torch
 from miles_plugins.optimizers import remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
@@ -81,6 +81,10 @@ class StreamingStore:
             of the bucket being updated (4 where it widens bf16 grads to fp32;
             0 where the fp32 grads exist already, as Megatron's do): part of
             :attr:`step_device_bytes_bound`.
+        checkpoint_master_options: save the master's param-group options (lr as
+            a scheduler left it, weight decay, ...) with the state and restore
+            them on load: for callers whose own checkpoint cannot carry them
+            (the master's ``state_dict`` refuses). Megatron's carries them.
 
     Construction validates the directory and free space before writing
     anything (disk tier), then writes every bucket's initial mains and releases
@@ -99,6 +103,7 @@ class StreamingStore:
         init_main: CopyFn | None = None,
         topology: dict[str, int] | None = None,
         grad_bytes_per_element: int = 0,
+        checkpoint_master_options: bool = False,
     ) -> None:
         self.config = config
         self.entries = list(entries)
@@ -155,6 +160,7 @@ class StreamingStore:
                 config.main_storage == "remainder",
                 self._resident_optimizer,
                 resident_mains,
+                backend.master.param_groups if checkpoint_master_options else None,
             )
             self._write_mains(init_main)
         except BaseException:
@@ -290,7 +296,7 @@ class StreamingStore:
 
     def _roll_back(self, updated: list[tuple[Flight, object]], exc: BaseException, resident_started: bool) -> None:
         """After a failed step: restore the pre-step state, or mark the store damaged."""
-        failed = f"step {self.steps_taken + 1} failed ({exc})"
+        failed = f"step {self.steps_taken + 1} failed ({str(exc) or type(exc).__name__})"
         if self._pipeline.hung:
             self._damaged = f"{failed}; transfers still hang, their memory cannot be reused"
             return
@@ -480,7 +486,9 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
             resident_numel,
             resident_numel * MATERIALIZED_BYTES_PER_ELEMENT / 1e9,
         )
-    if buckets and len(buckets) <= config.depth:
+    # A small model fits in the buckets in flight at any cap; say so only where a
+    # raised cap is what put the whole state on the device.
+    if buckets and len(buckets) <= config.depth and config.bucket_cap_elements > DEFAULT_BUCKET_CAP_ELEMENTS:
         logger.warning(
             "all %d buckets fit in the %d in flight: the whole streamed state (%.2f GB) is on the device "
             "during a step, as without streaming; lower the bucket cap (now %d elements; a param is never "
@@ -496,6 +504,11 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
 def _streamed_entries(entries: Sequence[Entry], config: StreamConfig) -> list[int]:
     """Indices of the entries to stream, after checking each can be."""
     streamed = [i for i, e in enumerate(entries) if not e.resident]
+    if config.main_storage == "remainder" and entries and not streamed:
+        raise StreamConfigError(
+            "main_storage='remainder' stores the low half of fp32 mains beside bf16 params, and every param "
+            "here is fp32 (its own main, kept resident): nothing to store that way; use main_storage='fp32'"
+        )
     for i in streamed:
         main = entries[i].main
         if main.dtype != torch.float32 or not main.is_contiguous():

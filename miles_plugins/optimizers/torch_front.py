@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from miles_plugins.optimizers.adam import backend_for, bind_master
+from miles_plugins.optimizers.adam import backend_for, bind_master, is_streamed
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import StreamConfigError
@@ -53,6 +53,8 @@ class StreamedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: StreamConfig) -> None:
+        if is_streamed(optimizer):
+            raise StreamConfigError("this optimizer is streamed already: wrap it once, and keep that StreamedOptimizer")
         if any(optimizer.state.values()):
             raise StreamConfigError(
                 "the optimizer already holds state (it has stepped): wrap it before its "
@@ -79,6 +81,8 @@ class StreamedOptimizer:
             init_main=_copy_param_to_main,
             # _fp32_grad widens each non-fp32 grad of the bucket being updated.
             grad_bytes_per_element=4 if any(e.param.dtype != torch.float32 for e in entries) else 0,
+            # The master's state_dict refuses, so the store carries its group options.
+            checkpoint_master_options=True,
         )
         bind_master(optimizer, self.store.step, checkpoint_with="StreamedOptimizer.save_to(dir) / load_from(dir)")
 
@@ -99,14 +103,18 @@ class StreamedOptimizer:
             yield self.store.entries[index].param, main, exp_avg, exp_avg_sq
 
     def save_to(self, directory: str) -> None:
-        """Save the streamed state (mains, moments, step counts) under
-        ``directory/<config.name>``, atomically. The params, the param-group
-        options and the LR scheduler are the caller's to save, as without streaming."""
+        """Save the optimizer state (mains, moments, step counts, and the param
+        groups' options: lr as a scheduler left it, weight decay, ...) under
+        ``directory/<config.name>``, replacing any previous save in one step.
+        The params and the LR scheduler's own state are the caller's to save,
+        as without streaming."""
         self.store.save_to(directory)
 
     def load_from(self, directory: str) -> bool:
-        """Restore what :meth:`save_to` wrote (False if there is nothing); load the
-        model params beside it. Refuses, saying why, a state that does not match."""
+        """Restore what :meth:`save_to` wrote under ``directory/<config.name>``
+        (the same ``directory`` given to ``save_to``); False, with a warning, when
+        there is nothing there. Load the model params and the scheduler beside
+        it. Refuses, saying why and changing nothing, a state that does not match."""
         return self.store.load_from(directory)
 
     def close(self) -> None:

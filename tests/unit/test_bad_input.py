@@ -210,3 +210,22 @@ def test_a_filesystem_refusing_direct_io_falls_back_to_buffered_with_a_log_line(
 def test_bad_pipeline_settings_are_refused(tmp_path, field, value, message):
     with pytest.raises(StreamConfigError, match=message):
         StreamConfig(directory=str(tmp_path), **{field: value})
+
+
+def test_wrapping_an_optimizer_twice_is_refused(tmp_path):
+    model = _bf16_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    first = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), name="a"))
+    with pytest.raises(StreamConfigError, match="streamed already: wrap it once"):
+        StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), name="b"))
+    assert sorted(os.listdir(tmp_path)) == [".a.lock", "a"], "the refused wrap wrote nothing"
+    first.close()
+
+
+def test_remainder_mains_with_no_bf16_param_are_refused(tmp_path):
+    model = torch.nn.Linear(64, 64)  # fp32: every param is its own main
+    with pytest.raises(StreamConfigError, match="every param here is fp32 .* use main_storage='fp32'"):
+        StreamedOptimizer(
+            torch.optim.AdamW(model.parameters()), StreamConfig(directory=str(tmp_path), main_storage="remainder")
+        )
+    assert os.listdir(tmp_path) == []

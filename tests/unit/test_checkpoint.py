@@ -7,6 +7,7 @@ store itself.
 
 import functools
 import json
+import logging
 import os
 
 import pytest
@@ -75,9 +76,7 @@ def resume(tmp_path, ckpt, **kw):
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
     rest = torch.load(ckpt / "rest.pt")
     model.load_state_dict(rest["model"])
-    scheduler.load_state_dict(rest["scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
+    scheduler.load_state_dict(rest["scheduler"])  # the groups' lr comes back with the streamed state
     return model, optimizer, scheduler, streamed
 
 
@@ -467,4 +466,30 @@ def test_a_state_saved_by_plain_adamw_loads_into_a_fused_one_and_back(tmp_path):
     model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
     assert streamed.load_from(str(tmp_path / "fused"))
     train(model, optimizer, scheduler, range(SAVE_AT + 2, SAVE_AT + 3))
+    streamed.close()
+
+
+def test_a_resume_restores_the_param_group_options_a_scheduler_left(tmp_path):
+    """The master's state_dict refuses, so the lr a scheduler set (here after the LR
+    drop at step 10) travels with the streamed state: restoring only the
+    scheduler's own state, as without streaming, resumes byte-identically."""
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt)[3].close()
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0")
+    rest = torch.load(ckpt / "rest.pt")
+    model.load_state_dict(rest["model"])
+    scheduler.load_state_dict(rest["scheduler"])
+    assert optimizer.param_groups[0]["lr"] != scheduler.get_last_lr()[0], "the scheduler alone does not set it"
+    assert streamed.load_from(str(ckpt))
+    assert [g["lr"] for g in optimizer.param_groups] == scheduler.get_last_lr()
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_nothing_to_load_says_where_it_looked(tmp_path, caplog):
+    *_, streamed = fresh(tmp_path, "rank0")
+    with caplog.at_level(logging.WARNING):
+        assert streamed.load_from(str(tmp_path / "ckpt" / "rank0")) is False
+    assert f"looked for {tmp_path / 'ckpt' / 'rank0' / 'rank0'}" in caplog.text
     streamed.close()

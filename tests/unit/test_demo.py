@@ -72,6 +72,12 @@ def test_demo_removes_the_directories_it_created(tmp_path):
     assert os.listdir(tmp_path) == [], "--dir and the parents the demo created must be gone"
 
 
+def test_demo_refuses_a_removed_moment_dtype_saying_why(tmp_path):
+    result = _demo("--steps", "2", "--moment-dtype", "fp16", "--dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "'fp16' is no longer offered: unscaled" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_demo_refuses_a_bad_bucket_cap_cleanly(tmp_path):
     result = _demo("--steps", "2", "--bucket-cap", "0", "--dir", str(tmp_path))
     assert result.returncode == 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StoreUnusableError, StreamConfig, StreamConfigError, StreamedOptimizer
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
 from tests.unit.reference import same_bytes
 
 
@@ -152,6 +153,10 @@ def test_a_bucket_cap_that_puts_every_bucket_in_flight_is_warned_about(tmp_path,
     with caplog.at_level(logging.WARNING):
         _, streamed = _streamed(tmp_path, _model(), cap=2000)
     assert len(streamed.store.buckets) > 3 and "fit in the" not in caplog.text
+    streamed.close()
+    with caplog.at_level(logging.WARNING):  # a small model at the default cap: nothing to say
+        _, streamed = _streamed(tmp_path, _model(), cap=DEFAULT_BUCKET_CAP_ELEMENTS)
+    assert len(streamed.store.buckets) == 1 and "fit in the" not in caplog.text
     streamed.close()
 
 

@@ -239,3 +239,15 @@ def test_zero_grad_releases_reads_prefetched_for_a_step_that_never_ran(tmp_path)
     assert binding.store._pipeline.accounting.current == 0
     train(opt, binding, range(1, 2))
     binding.store.close()
+
+
+def test_streaming_an_optimizer_twice_is_refused(tmp_path):
+    """A second store would take the first one's released (empty) mains as its
+    initial state."""
+    from miles_plugins.optimizers.megatron import attach
+
+    opt, _, binding = bind(tmp_path)
+    with pytest.raises(StreamConfigError, match="this optimizer streams already"):
+        attach(opt, StreamConfig(directory=str(tmp_path / "again")))
+    assert not (tmp_path / "again").exists()
+    binding.store.close()

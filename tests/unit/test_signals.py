@@ -114,8 +114,10 @@ def test_purge_removes_stale_scratch_only(tmp_path, fault_report):
     assert (victim / "precious").read_text() == "data", "a symlink is never followed"
     live.close()
     assert "nothing to purge" in _purge(tmp_path / "victim").stdout
-    missing = _purge(tmp_path / "missing")
-    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    missing = _purge(tmp_path / "missing")  # an epilog on a node where no rank ran
+    assert missing.returncode == 0 and "does not exist" in missing.stdout
+    not_a_dir = _purge(tmp_path / "victim" / "precious")
+    assert not_a_dir.returncode == 2 and "is not a directory" in not_a_dir.stderr
     fault_report(
         "purge command (job epilog)",
         "removes stale scratch only: not a live one, not a symlink's target, not foreign files",
