@@ -9,30 +9,21 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.children import start
 from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_bad_input import REPO
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, resume, state_of, train
 
 pytestmark = pytest.mark.fault
 
 
 def _kill_when_stalled(work, kill_in: str) -> int:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.unit.crash_child", "--work", str(work), "--kill-in", kill_in],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = start("tests.unit.crash_child", "--work", str(work), "--kill-in", kill_in)
     deadline = time.monotonic() + 60
     while not (work / "stalled").exists():
         if child.poll() is not None:

@@ -12,16 +12,14 @@ import errno
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from miles_plugins.optimizers import fs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.children import start
 from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_bad_input import REPO
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, resume, save_run, state_of, train
 
 
@@ -77,15 +75,9 @@ def test_a_save_replaces_the_previous_one_without_the_exchange(tmp_path, caplog,
 
 @pytest.mark.fault
 def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp_path, caplog, fault_report):
-    child = subprocess.run(
-        [sys.executable, "-m", "tests.unit.crash_child", "--work", str(tmp_path), "--kill-in", "replace"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == 9, child.stderr[-3000:]
+    child = start("tests.unit.crash_child", "--work", str(tmp_path), "--kill-in", "replace")
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 9, stderr[-3000:]
     ckpt = tmp_path / "ckpt"
     left = sorted(os.listdir(ckpt))
     assert left == [".rank0.partial", ".rank0.previous", "rest.pt"], left

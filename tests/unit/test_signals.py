@@ -14,20 +14,14 @@ import pytest
 
 from miles_plugins.optimizers import scratch as scratch_module
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.children import start
 from tests.unit.test_bad_input import REPO, _wrap
 
 pytestmark = pytest.mark.fault
 
 
 def _start(work, handler: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.unit.sigterm_child", "--work", str(work), "--handler", handler],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start("tests.unit.sigterm_child", "--work", str(work), "--handler", handler)
 
 
 def _wait_for(child: subprocess.Popen, path) -> None:
