@@ -121,10 +121,10 @@ class StreamingStore:
         streamed = _streamed_entries(self.entries, config)
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
         self.buckets = _layout(self.entries, streamed, config)
-        self._bucket_optimizers = [backend.build(self._groups_of(b.entry_indices)) for b in self.buckets]
+        self._bucket_optimizers = [backend.build(_groups_of(self.entries, b.entry_indices)) for b in self.buckets]
         self._resident_entries = [i for i, e in enumerate(self.entries) if e.resident]
         self._resident_optimizer = (
-            backend.build(self._groups_of(self._resident_entries)) if self._resident_entries else None
+            backend.build(_groups_of(self.entries, self._resident_entries)) if self._resident_entries else None
         )
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
@@ -166,19 +166,7 @@ class StreamingStore:
         except BaseException:
             self._shut_down()
             raise
-        logger.info(
-            "optimizer state streams through %s (%s engine%s): %d buckets, %.2f GB stored, %.2f GB "
-            "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident",
-            self.location,
-            config.engine,
-            ", direct I/O" if getattr(self._backing, "direct", False) else "",
-            len(self.buckets),
-            self.file_bytes_total / 1e9,
-            self.state_bytes_total / 1e9,
-            self.bucket_bytes_max / 1e9,
-            config.depth,
-            len(self._resident_entries),
-        )
+        _log_setup(self)
 
     # ---- sizes ---------------------------------------------------------------
 
@@ -431,12 +419,6 @@ class StreamingStore:
 
     # ---- construction helpers --------------------------------------------------
 
-    def _groups_of(self, entry_indices: Sequence[int]) -> list[tuple[int, list[torch.Tensor]]]:
-        groups: dict[int, list[torch.Tensor]] = {}
-        for i in entry_indices:
-            groups.setdefault(self.entries[i].group_index, []).append(self.entries[i].main)
-        return list(groups.items())
-
     def _attach_grads(self, entry_indices: Sequence[int]) -> None:
         for i in entry_indices:
             entry = self.entries[i]
@@ -461,6 +443,30 @@ class StreamingStore:
         except BaseException as exc:
             self._damaged = f"rewriting the mains failed part way ({exc})"
             raise
+
+
+def _groups_of(entries: Sequence[Entry], indices: Sequence[int]) -> list[tuple[int, list[torch.Tensor]]]:
+    """(master group index, mains) for the entries at ``indices``, in order of first appearance."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for i in indices:
+        groups.setdefault(entries[i].group_index, []).append(entries[i].main)
+    return list(groups.items())
+
+
+def _log_setup(store: StreamingStore) -> None:
+    logger.info(
+        "optimizer state streams through %s (%s engine%s): %d buckets, %.2f GB stored, %.2f GB "
+        "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident",
+        store.location,
+        store.config.engine,
+        ", direct I/O" if getattr(store._backing, "direct", False) else "",
+        len(store.buckets),
+        store.file_bytes_total / 1e9,
+        store.state_bytes_total / 1e9,
+        store.bucket_bytes_max / 1e9,
+        store.config.depth,
+        len(store._resident_entries),
+    )
 
 
 def _description(config: StreamConfig, buckets, resident_mains, master, topology: dict) -> dict:
