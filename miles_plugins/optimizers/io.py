@@ -518,10 +518,13 @@ def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int 
         put = start + w
 
 
-def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size: int, buffer: memoryview) -> int:
+def copy_file_crc32(
+    src_fd: int, src_path: str, dst_fd: int | None, dst_path: str, size: int, buffer: memoryview
+) -> int:
     """Copy ``size`` bytes from the start of one open file to another through
-    ``buffer``; returns the CRC-32 of the bytes copied. Raises
-    :class:`StreamIOError` naming the file on an error or a short transfer."""
+    ``buffer`` (with ``dst_fd`` None: only read them); returns the CRC-32 of the
+    bytes. Raises :class:`StreamIOError` naming the file on an error or a short
+    transfer."""
     crc = 0
     done = 0
     while done < size:
@@ -529,6 +532,7 @@ def copy_file_crc32(src_fd: int, src_path: str, dst_fd: int, dst_path: str, size
         # Aligned retries: either side may be a direct-I/O bucket file.
         pread_full(src_fd, src_path, done, chunk, ALIGNMENT)
         crc = zlib.crc32(chunk, crc)
-        pwrite_full(dst_fd, dst_path, done, chunk, ALIGNMENT)
+        if dst_fd is not None:
+            pwrite_full(dst_fd, dst_path, done, chunk, ALIGNMENT)
         done += len(chunk)
     return crc

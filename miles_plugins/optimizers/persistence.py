@@ -50,8 +50,8 @@ from miles_plugins.optimizers.fs import (
     replace_dir,
     require_free_space,
 )
-from miles_plugins.optimizers.io import HostMemory, pread_full, pwrite_full
-from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout
+from miles_plugins.optimizers.io import HostMemory, copy_file_crc32, pwrite_full
+from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.manifest import RESIDENT_FILE, Manifest, differences
 
 logger = logging.getLogger(__name__)
@@ -304,17 +304,11 @@ class Persistence:
 
     def _verify_buckets(self, source: str, manifest: Manifest) -> None:
         """Read every bucket file once, checking its CRC-32; nothing is copied."""
-        view = self.buffer().view
         for bucket in self.buckets:
             path = os.path.join(source, bucket.file_name)
             fd = open_file(path, os.O_RDONLY)
             try:
-                crc, done = 0, 0
-                while done < bucket.file_size:
-                    chunk = view[: min(len(view), bucket.file_size - done)]
-                    pread_full(fd, path, done, chunk, ALIGNMENT)
-                    crc = zlib.crc32(chunk, crc)
-                    done += len(chunk)
+                crc = copy_file_crc32(fd, path, None, "", bucket.file_size, self.buffer().view)
             finally:
                 os.close(fd)
             _check_crc(path, crc, manifest.files[bucket.file_name]["crc32"])

@@ -215,9 +215,8 @@ class Pipeline:
         """Materialize bucket ``index``'s mains (and moments) and submit their reads.
         A stored format other than fp32 lands in the first bytes of the tensor's
         own storage, decoded in place by :meth:`finish_fetch`."""
-        flight = Flight(self.buckets[index], self.optimizers[index], [])
+        flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
         try:
-            flight = self._open(index, in_place=False)
             transfers: list[Transfer] = []
             for k in range(len(flight.entries)):
                 for name, tensor in flight.tensors(k, moments):

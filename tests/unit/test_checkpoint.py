@@ -72,6 +72,17 @@ def save_run(tmp_path, ckpt, **kw):
     return model, optimizer, scheduler, streamed
 
 
+def finish_and_save_again(ckpt, model, optimizer, scheduler, streamed) -> None:
+    """After a resume at SAVE_AT: the rest of the run must be the uninterrupted
+    one, and the next save must leave only the complete save beside rest.pt."""
+    assert streamed.store.steps_taken == SAVE_AT
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the failure left"
+    streamed.close()
+
+
 def resume(tmp_path, ckpt, **kw):
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
     rest = torch.load(ckpt / "rest.pt")

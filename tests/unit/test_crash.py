@@ -12,12 +12,10 @@ import signal
 import time
 
 import pytest
-import torch
 
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from tests.unit.children import start
-from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_checkpoint import SAVE_AT, STEPS, resume, state_of, train
+from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, resume
 
 pytestmark = pytest.mark.fault
 
@@ -52,12 +50,7 @@ def test_a_killed_process_restarts_from_its_last_checkpoint(tmp_path, caplog, fa
         model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
     assert "purging stale optimizer-state scratch" in caplog.text
     assert streamed.load_from(str(ckpt))
-    assert streamed.store.steps_taken == SAVE_AT
-    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
-    streamed.save_to(str(ckpt))
-    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the killed one left"
-    streamed.close()
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)
     fault_report(
         f"SIGKILL mid-{kill_in}",
         "restart purges the scratch; the cut-off save is never taken for a complete one; the last "

@@ -20,7 +20,7 @@ from miles_plugins.optimizers import fs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from tests.unit.children import start
 from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_checkpoint import SAVE_AT, STEPS, resume, save_run, state_of, train
+from tests.unit.test_checkpoint import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, state_of, train
 
 
 @pytest.fixture
@@ -85,12 +85,7 @@ def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp
         model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
         assert streamed.load_from(str(ckpt))
     assert "loading the previous save" in caplog.text
-    assert streamed.store.steps_taken == SAVE_AT
-    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
-    streamed.save_to(str(ckpt))
-    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the crash left"
-    streamed.close()
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)
     fault_report(
         "crash between the fallback's renames (no RENAME_EXCHANGE)",
         "the load finds the previous save; the next save cleans up",
