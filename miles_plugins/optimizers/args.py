@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--stream-optimizer-state-moment-dtype",
         choices=list(MOMENT_DTYPES),
         default="fp32",
-        help="storage dtype of the Adam moments (fp32 is bit-exact; bf16 halves their bytes)",
+        help="storage dtype of the Adam moments (fp32 is bit-exact; bf16 halves their bytes; "
+        "8bit quarters them, scaled per block of 256)",
     )
     group.add_argument(
         "--stream-optimizer-state-tier",

@@ -6,7 +6,8 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
 
 - ``main`` as fp32 (as is), or as int16 remainders (``remainder.py``): the low
   16 bits, plus per entry the few *exceptions* the bf16 param cannot imply;
-- ``exp_avg`` / ``exp_avg_sq`` as fp32 (as is) or bf16 (``convert.py``).
+- ``exp_avg`` / ``exp_avg_sq`` as fp32 (as is), bf16 (``convert.py``), or
+  8-bit codes with per-block scales (``quant8.py``).
 
 The stored bytes always live in the first bytes of the fp32 tensor's own
 storage: a read fills them there and :meth:`Codec.decode` widens them in place;
@@ -22,14 +23,14 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers import remainder
-from miles_plugins.optimizers.convert import narrow_in_place, stored_view, widen_in_place
+from miles_plugins.optimizers import quant8, remainder
+from miles_plugins.optimizers.convert import narrow_in_place, widen_in_place
 from miles_plugins.optimizers.layout import BucketLayout, Segment
 
 
 def stored_bytes(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
     """The flat uint8 view of ``tensor``'s storage that holds its stored form."""
-    return stored_view(tensor, segment.dtype).view(torch.uint8)
+    return tensor.view(-1).view(torch.uint8)[: segment.stored_nbytes(tensor.numel())]
 
 
 class Codec:
@@ -46,12 +47,16 @@ class Codec:
     @staticmethod
     def converts(segment: Segment, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s stored form differs from its fp32 form."""
+        if segment.blockwise:
+            return quant8.quantizes(tensor.numel())  # small entries stay fp32
         return segment.dtype != tensor.dtype
 
     def decode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
         """Turn entry ``k``'s stored form (just read) into fp32, in place."""
         if self.is_remainder(segment):
             remainder.decode_in_place(tensor, param, self.exceptions[bucket.index][k])
+        elif segment.blockwise:
+            quant8.widen_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
         else:
             widen_in_place(tensor, segment.dtype)
 
@@ -62,7 +67,10 @@ class Codec:
         if self.is_remainder(segment):
             self.exceptions[bucket.index][k] = remainder.encode_in_place(tensor, param)
         elif self.converts(segment, tensor):
-            narrow_in_place(tensor, segment.dtype)
+            if segment.blockwise:
+                quant8.narrow_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
+            else:
+                narrow_in_place(tensor, segment.dtype)
 
     # ---- checkpoints -------------------------------------------------------------
 

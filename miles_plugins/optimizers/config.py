@@ -11,10 +11,14 @@ from miles_plugins.optimizers.errors import StreamConfigError
 
 # Storage dtypes for the Adam moments (they always compute in fp32). Mains are
 # stored as fp32 or as remainders (MAIN_STORAGES): they must round-trip exactly.
+# "8bit" is one byte per element plus a scale per block (``quant8.py``).
 MOMENT_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
+    "8bit": torch.uint8,
 }
+# Moment dtypes stored blockwise (codes and per-block scales), not element by element.
+BLOCKWISE_MOMENT_DTYPES = frozenset({"8bit"})
 
 # Moment dtypes earlier versions offered, and why they are gone. Unscaled, they
 # cannot hold exp_avg_sq (squared gradients span many decades: they underflow
@@ -77,7 +81,8 @@ class StreamConfig:
             intended place.
         moment_dtype: storage dtype of the Adam moments, one of
             ``MOMENT_DTYPES``: ``fp32`` is bit-exact; ``bf16`` halves their
-            bytes (a storage format only: the step still computes in fp32).
+            bytes; ``8bit`` quarters them (blockwise scaled, ``quant8.py``).
+            A storage format only: the step still computes in fp32.
         bucket_cap_elements: the most elements in one streaming bucket, except
             that a param is never split: one larger than the cap gets a bucket
             of its own. Buckets bound the optimizer state on the device
@@ -130,7 +135,7 @@ class StreamConfig:
         if self.moment_dtype in REMOVED_MOMENT_DTYPES:
             raise StreamConfigError(
                 f"moment dtype {self.moment_dtype!r} is no longer offered: "
-                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; use bf16 for compact moments"
+                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; use bf16 or 8bit (scaled per block) for compact moments"
             )
         if self.moment_dtype not in MOMENT_DTYPES:
             raise StreamConfigError(
@@ -168,6 +173,10 @@ class StreamConfig:
     @property
     def moment_torch_dtype(self) -> torch.dtype:
         return MOMENT_DTYPES[self.moment_dtype]
+
+    @property
+    def blockwise_moments(self) -> bool:
+        return self.moment_dtype in BLOCKWISE_MOMENT_DTYPES
 
     @property
     def staging_bytes(self) -> int:

@@ -2,9 +2,9 @@
 
 A bucket file holds three segments in this order: ``main`` (fp32, or the
 int16 low bits of remainder mains), ``exp_avg`` and ``exp_avg_sq`` (the
-moment storage dtype). Inside a segment,
-entries follow in bucket order, each slice starting on an ``ALIGNMENT``
-boundary so direct I/O can address it.
+moment storage dtype, or blockwise 8-bit codes and scales: ``quant8.py``).
+Inside a segment, entries follow in bucket order, each slice starting on an
+``ALIGNMENT`` boundary so direct I/O can address it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from miles_plugins.optimizers import quant8
 
 # O_DIRECT needs file offsets, lengths and buffers aligned to the logical block
 # size; 4096 covers every NVMe and filesystem we target.
@@ -69,9 +71,14 @@ class Segment:
     """One segment of a bucket file: where each entry's slice lives."""
 
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # element by element; the codes' dtype when blockwise
     entry_offsets: tuple[int, ...]  # absolute file offset of each entry's slice
     entry_nbytes: tuple[int, ...]  # unpadded length of each entry's slice
+    blockwise: bool = False  # 8-bit codes and per-block scales (quant8.py)
+
+    def stored_nbytes(self, numel: int) -> int:
+        """Bytes of the stored form of an entry of ``numel`` elements."""
+        return quant8.stored_nbytes(numel) if self.blockwise else numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -101,20 +108,22 @@ def layout_bucket(
     numels: Sequence[int],
     moment_dtype: torch.dtype,
     main_dtype: torch.dtype = MAIN_DTYPE,
+    blockwise_moments: bool = False,
 ) -> BucketLayout:
     """Lay out the segments of one bucket file, every slice aligned; ``main_dtype``
-    is how mains are stored (fp32, or int16 remainders)."""
-    dtypes = {"main": main_dtype, "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype}
+    is how mains are stored (fp32, or int16 remainders); ``blockwise_moments``:
+    the moments are 8-bit codes (``moment_dtype`` uint8) with per-block scales."""
     offset = 0
     segments = {}
     for name in SEGMENTS:
-        itemsize = dtypes[name].itemsize
+        moment = name in MOMENT_SEGMENTS
+        shape = Segment(name, moment_dtype if moment else main_dtype, (), (), blockwise=moment and blockwise_moments)
         offsets, lengths = [], []
         for numel in numels:
             offsets.append(offset)
-            lengths.append(numel * itemsize)
-            offset = align_up(offset + numel * itemsize)
-        segments[name] = Segment(name, dtypes[name], tuple(offsets), tuple(lengths))
+            lengths.append(shape.stored_nbytes(numel))
+            offset = align_up(offset + lengths[-1])
+        segments[name] = Segment(name, shape.dtype, tuple(offsets), tuple(lengths), shape.blockwise)
     return BucketLayout(
         index=index,
         entry_indices=tuple(entry_indices),

@@ -121,6 +121,7 @@ COMPARED_FIELDS = (
     ("store", "store name"),
     ("main_dtype", "main dtype"),
     ("moment_dtype", "moment dtype"),
+    ("moment_format", "moment format"),  # blockwise formats only; absent (None) otherwise
     ("topology", "parallel topology"),
     ("layout", "bucket layout"),
     ("resident_numels", "resident (fp32-native) params"),

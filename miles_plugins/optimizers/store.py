@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers import remainder
+from miles_plugins.optimizers import quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 #   (the denominator sqrt(exp_avg_sq) + eps): 4 bytes per element;
 ADAM_TEMPORARY_BYTES_PER_ELEMENT = 4
 # - storage-format conversions work in chunks of CHUNK_ELEMENTS; the remainder
-#   codec's chunk temporaries are the largest, about 12 bytes per element.
+#   codec's chunk temporaries are the largest, about 12 bytes per element (the
+#   8-bit codec's 9, plus 1/64 byte per element of the entry for its scales).
 CONVERSION_SCRATCH_BYTES = 12 * CHUNK_ELEMENTS
 
 
@@ -204,7 +205,8 @@ class StreamingStore:
         constants above)."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
-        return self.config.depth * self.bucket_bytes_max + per_element * largest + CONVERSION_SCRATCH_BYTES
+        scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
+        return self.config.depth * self.bucket_bytes_max + per_element * largest + CONVERSION_SCRATCH_BYTES + scales
 
     # ---- the contract --------------------------------------------------------
 
@@ -475,6 +477,7 @@ def _description(config: StreamConfig, buckets, resident_mains, master, topology
         "store": config.name,
         "main_dtype": "fp32" if config.main_storage == "fp32" else "fp32 as bf16 param + int16 remainder",
         "moment_dtype": config.moment_dtype,
+        "moment_format": quant8.FORMAT_ID if config.blockwise_moments else None,
         "topology": dict(topology),
         "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
         "resident_numels": [main.numel() for main in resident_mains],
@@ -541,6 +544,7 @@ def _layout(entries: Sequence[Entry], streamed: Sequence[int], config: StreamCon
             [entries[streamed[j]].main.numel() for j in members],
             config.moment_torch_dtype,
             main_dtype,
+            blockwise_moments=config.blockwise_moments,
         )
         for b, members in enumerate(plan)
     ]

@@ -37,6 +37,7 @@ ACCEPTED = {
     "streaming with defaults": {},
     "streaming with disk training offload": dict(offload_train=True, offload_train_target="disk"),
     "streaming with bf16 moments": dict(stream_optimizer_state_moment_dtype="bf16"),
+    "streaming with 8bit moments": dict(stream_optimizer_state_moment_dtype="8bit"),
     "streaming with no_load_optim": dict(no_load_optim=True),
     "streaming with colocate and no weights backuper": dict(colocate=True, disable_weights_backuper=True),
     # Off: nothing is checked, whatever else is set (LoRA suites pass these legitimately).

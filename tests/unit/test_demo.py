@@ -40,11 +40,12 @@ def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
     assert os.listdir(tmp_path) == [], "the demo must remove its scratch directory"
 
 
-def test_demo_with_bf16_moments_is_not_bit_identical_but_succeeds(tmp_path):
-    result = _demo("--steps", "3", "--moment-dtype", "bf16", "--dir", str(tmp_path))
+@pytest.mark.parametrize("moment_dtype", ["bf16", "8bit"])
+def test_demo_with_compact_moments_is_not_bit_identical_but_succeeds(tmp_path, moment_dtype):
+    result = _demo("--steps", "3", "--moment-dtype", moment_dtype, "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["moment_dtype"] == "bf16" and report["bit_identical"] is False
+    assert report["moment_dtype"] == moment_dtype and report["bit_identical"] is False
 
 
 def test_demo_builds_its_scheduler_after_wrapping(tmp_path):

@@ -1,17 +1,29 @@
-"""Compact moment storage: bf16 stays close to the fp32 run; the unscaled narrow
-formats earlier versions offered are refused, in a setting and in a checkpoint."""
+"""Compact moment storage: bf16 stays close to the fp32 run; 8-bit blockwise moments
+quantize as specified, stream through every tier, engine and main storage exactly
+as a plain loop storing them the same way, and train as well as fp32 moments
+(while 8-bit without scales does not); the unscaled narrow formats earlier versions
+offered are refused, in a setting and in a checkpoint."""
 
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamConfigError
+from bench import moment_formats
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, convert, quant8
+from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.layout import layout_bucket
+from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.reference import Net, between_steps, groups, loss_fn, same_bytes, schedule
 from tests.unit.test_bit_identity import streamed_run
+from tests.unit.test_checkpoint import refusal, rewrite_manifest, save_run
 
 STEPS = 20
 # The stated tolerance for bf16 moments: bf16 keeps 8 mantissa bits, so each
 # stored moment rounds at ~0.4% relative; after 20 steps at lr 1e-2 the fp32
 # mains stay within 5e-3 (absolute) of the run with fp32 moments.
 BF16_MAIN_TOLERANCE = 5e-3
+# The issue's bound for 8-bit moments: final loss (mean of the last steps) within
+# 2% of the run with fp32 moments, after 200 steps.
+TRAINING_STEPS, LOSS_TOLERANCE = 200, 0.02
 
 
 def test_bf16_moments_stay_within_tolerance_of_fp32_moments(tmp_path):
@@ -33,3 +45,210 @@ def test_bf16_moments_stay_within_tolerance_of_fp32_moments(tmp_path):
 def test_unscaled_narrow_moment_dtypes_are_refused_saying_why(tmp_path, moment_dtype):
     with pytest.raises(StreamConfigError, match=f"{moment_dtype!r} is no longer offered: unscaled, .* diverges"):
         StreamConfig(directory=str(tmp_path), moment_dtype=moment_dtype)
+
+
+# ---- 8-bit blockwise moments: the quantizer ---------------------------------------
+
+
+def test_the_dynamic_maps_are_ascending_with_zero_and_one_and_seven_decades():
+    for signed in (True, False):
+        values = quant8.dynamic_map(signed)
+        assert values.numel() == 256 and bool((values[1:] > values[:-1]).all())
+        assert 0.0 in values.tolist() and values[-1].item() == 1.0
+        smallest = values[values > 0].min().item()
+        assert 1e-7 < smallest < 1e-6, "about seven decades below the block maximum"
+    assert quant8.dynamic_map(True)[0].item() < -0.99 and quant8.dynamic_map(False)[0].item() == 0.0
+
+
+def _nearest_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification, written out: per block of 256 its absolute maximum, then
+    per element the index of the map value nearest to x / max (ties: the lower)."""
+    values = quant8.dynamic_map(signed).double()
+    codes, scales = [], []
+    for block in x.double().split(quant8.BLOCK):
+        scale = block.abs().max()
+        normalized = block / scale if scale > 0 else block
+        codes.append((normalized.unsqueeze(1) - values.unsqueeze(0)).abs().argmin(dim=1))
+        scales.append(scale)
+    return torch.cat(codes).to(torch.uint8), torch.stack(scales).float()
+
+
+@pytest.mark.parametrize("numel", [256, 300, 1000, 4096 + 17])
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_codes_are_the_nearest_map_value_of_each_blocks_scaled_values(numel, moment):
+    g = torch.Generator().manual_seed(numel)
+    # Magnitudes spanning six decades, as moments do; past one block, an all-zero block.
+    x = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 3) * 1e-3
+    if numel > quant8.BLOCK:
+        x[: quant8.BLOCK] = 0
+    signed, sqrt = quant8.MOMENT_FORMATS[moment]
+    if sqrt:
+        x = x * x  # exp_avg_sq is non-negative; its square root is what gets coded
+    codes, scales = quant8.quantize_chunk(x, signed, sqrt)
+    want_codes, want_scales = _nearest_codes(x.sqrt() if sqrt else x, signed)
+    assert torch.equal(scales, want_scales)
+    assert (codes != want_codes).sum().item() <= numel // 10_000, "codes differ from the nearest map value"
+    decoded = quant8.dequantize_chunk(codes, scales, signed)
+    values = quant8.dynamic_map(signed)
+    blocks = torch.arange(numel) // quant8.BLOCK
+    assert torch.equal(decoded, values[codes.long()] * scales[blocks]), "decoding is map value times block scale"
+
+
+@pytest.mark.parametrize("numel", [256, 257, 1000, 1536, 5000])
+def test_in_place_narrowing_and_widening_match_the_out_of_place_codes_across_chunks(monkeypatch, numel):
+    """Chunks of 512 elements make every size above cross chunk boundaries."""
+    monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 512)
+    g = torch.Generator().manual_seed(numel)
+    for moment, (signed, sqrt) in quant8.MOMENT_FORMATS.items():
+        x = torch.randn(numel, generator=g) * 1e-2
+        x = x * x if sqrt else x
+        codes, scales = quant8.quantize_chunk(x, signed, sqrt)
+        t = x.clone()
+        quant8.narrow_in_place(t, signed, sqrt)
+        stored = t.view(torch.uint8)[: quant8.stored_nbytes(numel)]
+        assert torch.equal(stored[:numel], codes), moment
+        assert torch.equal(stored[numel:].clone().view(torch.float32), scales), moment
+        quant8.widen_in_place(t, signed, sqrt)
+        expected = quant8.dequantize_chunk(codes, scales, signed)
+        assert same_bytes(t, expected.square() if sqrt else expected), moment
+
+
+def test_entries_below_one_block_are_stored_as_fp32_and_blocks_never_straddle_entries():
+    layout = layout_bucket(0, [0, 1, 2, 3], [1, 255, 256, 1000], torch.uint8, blockwise_moments=True)
+    segment = layout.segments["exp_avg"]
+    assert segment.entry_nbytes == (4, 1020, 256 + 4, 1000 + 4 * 4)
+    assert [quant8.quantizes(n) for n in (1, 255, 256)] == [False, False, True]
+    assert layout.segments["main"].entry_nbytes == (4, 1020, 1024, 4000)
+
+
+# ---- 8-bit blockwise moments: through the store ----------------------------------
+
+
+def _plain_loop_storing_moments_in_8bit(steps: int):
+    """An independent loop (no store): fp32 mains for the bf16 layers, the fp32
+    param stepped directly, and after every step each bf16 param's moments
+    stored in 8 bits and read back, as a streamed step leaves them."""
+    model = Net(torch.bfloat16)
+    mains = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in model.parameters()]
+    optimizer = torch.optim.AdamW(groups(model, mains))
+    scheduler = schedule(optimizer)
+    for step in range(steps):
+        loss_fn(model, step).backward()
+        for main, p in zip(mains, model.parameters(), strict=True):
+            if main is not p:
+                main.grad = p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for main, p in zip(mains, model.parameters(), strict=True):
+                if main is not p:
+                    p.copy_(main)
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        moment_formats.store_8bit(name, optimizer.state[main][name])
+        model.zero_grad(set_to_none=True)
+        between_steps(optimizer, scheduler, step)
+    return [p.detach().clone() for p in model.parameters()], [
+        (main, optimizer.state[main]["exp_avg"], optimizer.state[main]["exp_avg_sq"]) for main in mains
+    ]
+
+
+MODES = [("disk", "pipelined", "fp32"), ("host", "pipelined", "remainder"), ("disk", "sync", "remainder")]
+
+
+@pytest.mark.parametrize("tier, engine, main_storage", MODES, ids=["-".join(m) for m in MODES])
+def test_8bit_moments_stream_exactly_as_a_plain_loop_storing_them_in_8bit(tmp_path, tier, engine, main_storage):
+    want_params, want_state = _plain_loop_storing_moments_in_8bit(STEPS)
+    params, state, streamed = streamed_run(
+        torch.optim.AdamW,
+        torch.bfloat16,
+        STEPS,
+        tmp_path,
+        moment_dtype="8bit",
+        tier=tier,
+        engine=engine,
+        main_storage=main_storage,
+    )
+    assert len(streamed.store.buckets) >= 3, "the test must exercise several buckets"
+    assert all(same_bytes(a, b) for a, b in zip(params, want_params, strict=True)), "params differ"
+    for got, want in zip(state, want_state, strict=True):
+        assert all(same_bytes(a, b) for a, b in zip(got, want, strict=True)), "mains or moments differ"
+    # The stored moments really are 8-bit: a weight entry's moment slice holds codes and scales.
+    weights = [n for b in streamed.store.buckets for n in b.numels if quant8.quantizes(n)]
+    assert weights, "some entries must be large enough to quantize"
+    streamed.close()
+
+
+def test_8bit_moments_train_within_2_percent_of_fp32_moments_and_unscaled_8bit_does_not(tmp_path):
+    """The demo's model on a Markov corpus (loss floor 1.21 nats) for 200 steps.
+    The control stores the same 8-bit codes without any scale: it must break the bound,
+    or the bound proves nothing about the scales."""
+    data = moment_formats.batches(TRAINING_STEPS)
+    fp32 = moment_formats.final_loss(moment_formats.train("fp32", data)["losses"])
+    config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit", bucket_cap_elements=65_536)
+    streamed = moment_formats.train("8bit", data, streamed=config)
+    eight_bit = moment_formats.final_loss(streamed["losses"])
+    unscaled = moment_formats.final_loss(moment_formats.train("8bit-unscaled", data)["losses"])
+    assert abs(eight_bit / fp32 - 1) <= LOSS_TOLERANCE, f"8bit {eight_bit:.4f} vs fp32 {fp32:.4f}"
+    assert abs(unscaled / fp32 - 1) > LOSS_TOLERANCE, f"unscaled {unscaled:.4f} vs fp32 {fp32:.4f}: no control"
+    assert eight_bit != fp32, "8bit moments changed nothing: were they really stored in 8 bits?"
+    # And the streamed run is exactly the plain loop that stores its moments the same way.
+    plain = moment_formats.train("8bit", data)
+    assert streamed["losses"] == plain["losses"]
+    assert all(same_bytes(a, b) for a, b in zip(streamed["params"], plain["params"], strict=True))
+
+
+def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path):
+    save_at = 12
+    want_params, want_state = _plain_loop_storing_moments_in_8bit(STEPS)
+    ckpt = tmp_path / "ckpt"
+
+    def build(**config):
+        model = Net(torch.bfloat16)
+        optimizer = torch.optim.AdamW(groups(model))
+        streamed = StreamedOptimizer(
+            optimizer, StreamConfig(directory=str(tmp_path / "scratch"), bucket_cap_elements=1500, **config)
+        )
+        return model, optimizer, schedule(optimizer), streamed
+
+    def train(model, optimizer, scheduler, steps):
+        for step in steps:
+            loss_fn(model, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            between_steps(optimizer, scheduler, step)
+
+    model, optimizer, scheduler, first = build(moment_dtype="8bit")
+    train(model, optimizer, scheduler, range(save_at))
+    first.save_to(str(ckpt))
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
+    first.close()
+
+    for other in ("bf16", "fp32"):
+        *_, streamed = build(moment_dtype=other)
+        with pytest.raises(
+            CheckpointMismatchError, match=f'moment dtype differs: checkpoint has "8bit", this run has "{other}"'
+        ):
+            streamed.load_from(str(ckpt))
+        streamed.close()
+
+    model, optimizer, scheduler, resumed = build(moment_dtype="8bit")
+    rest = torch.load(ckpt / "rest.pt")
+    model.load_state_dict(rest["model"])
+    scheduler.load_state_dict(rest["scheduler"])
+    assert resumed.load_from(str(ckpt))
+    train(model, optimizer, scheduler, range(save_at, STEPS))
+    by_param = {id(p): (main, m, v) for p, main, m, v in resumed.iter_state()}
+    assert all(same_bytes(a, b) for a, b in zip(model.parameters(), want_params, strict=True)), "params differ"
+    for p, want in zip(model.parameters(), want_state, strict=True):
+        assert all(same_bytes(a, b) for a, b in zip(by_param[id(p)], want, strict=True)), "mains or moments differ"
+    resumed.close()
+
+
+def test_an_8bit_checkpoint_of_another_8bit_format_is_refused(tmp_path):
+    """The manifest names the format (map, block size, moment encodings): a reader
+    with another one must not misread the codes."""
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt, moment_dtype="8bit")[3].close()
+    rewrite_manifest(
+        ckpt / "rank0" / MANIFEST_NAME, lambda d: d.update(moment_format="dynamic map, 2048-element blocks")
+    )
+    assert "moment format differs" in refusal(tmp_path, ckpt, moment_dtype="8bit")

@@ -1,0 +1,159 @@
+"""Blockwise 8-bit moments, stored inside the fp32 tensor's own storage.
+
+The method is 8-bit Adam's (Dettmers et al., 2021, "8-bit Optimizers via
+Block-wise Quantization") as bitsandbytes implements it: blocks of ``BLOCK``
+elements, each scaled by its absolute maximum, each element stored as the
+index of the nearest value of a 256-value *dynamic map* (an exponent and a
+shrinking fraction: about 7 decades below the block's maximum). The moments are
+only *stored* this way: a bucket widens them to fp32, the master optimizer runs
+its own exact update, and they are narrowed again.
+
+- ``exp_avg`` uses the signed map.
+- ``exp_avg_sq`` stores its square root on the unsigned map (bitsandbytes
+  stores ``exp_avg_sq`` itself). Squared gradients span twice the decades of
+  the gradients, and the map ends about 7 decades below the block maximum:
+  stored directly, the smallest ones become 0, and the update of such an
+  element is ``exp_avg / eps``. Measured on the demo model after 200 steps
+  (``python -m bench.moment_formats``), the update's denominator
+  sqrt(exp_avg_sq) moved by a median 0.20% stored directly and 0.28% as its
+  square root, but stored directly 3 in a million became 0 (max error 100%),
+  as a square root none did (max error 10.8%). The square root costs a
+  little precision at the top of each block and removes the failure.
+
+Stored form of an entry of ``n`` elements: ``n`` one-byte codes, then
+``ceil(n / BLOCK)`` fp32 scales (raw bytes, right after the codes). Blocks
+never straddle two entries (each entry is quantized on its own). An entry of
+fewer than ``BLOCK`` elements is stored as plain fp32: a block too small to
+fill is not worth quantizing, and an entry of one element has no room in its
+own storage for a code and a scale.
+
+Non-finite values poison their block: a NaN or inf anywhere in a block decodes
+as NaN or inf across it (fp32 storage would keep them to their elements).
+Megatron skips steps whose gradients are not finite, so its moments never hold
+them.
+
+Both directions work chunk by chunk in the one order that never overwrites bytes
+still to be read (as ``convert.py``): narrowing front to back (chunk ``[s, e)``'s
+codes land on bytes ``[s, e)``, fp32 elements already read), widening back to
+front. The scales are collected in (or copied out to) a small tensor of
+``n / BLOCK`` values, so the device scratch is one chunk plus 1/256 of the entry.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from miles_plugins.optimizers.convert import CHUNK_ELEMENTS, chunks
+
+# Elements per block: bitsandbytes' 8-bit optimizers use 256. Scales then cost
+# 4 / 256 = 0.016 bytes per element.
+BLOCK = 256
+SCALE_DTYPE = torch.float32
+assert CHUNK_ELEMENTS % BLOCK == 0, "a conversion chunk must hold whole blocks"
+
+# Per moment: (signed map, store the square root); see the module docstring.
+MOMENT_FORMATS = {"exp_avg": (True, False), "exp_avg_sq": (False, True)}
+# What a checkpoint records of this format; a load compares it, so a change to the
+# map, the block size or the moment formats cannot be misread as this one.
+FORMAT_ID = f"dynamic map, {BLOCK}-element blocks, fp32 absmax scales; exp_avg signed, sqrt(exp_avg_sq) unsigned"
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``:
+    256 ascending values in [-1, 1] (signed) or [0, 1] (unsigned), 0 and 1 included.
+    Decade ``i`` below 1 gets half the values of decade ``i - 1``."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        items = 2 ** (i + (0 if signed else 1)) + 1
+        bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0 * 10 ** (i - 6)).tolist()
+        values += means + ([-m for m in means] if signed else [])
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The map on ``device`` and the midpoints between neighbours (what rounds where)."""
+    values = dynamic_map(signed).to(device)
+    return values, (values[:-1] + values[1:]) / 2
+
+
+def quantizes(numel: int) -> bool:
+    """Whether an entry of ``numel`` elements is stored in 8 bits (else as fp32)."""
+    return numel >= BLOCK
+
+
+def stored_nbytes(numel: int) -> int:
+    """Bytes of an entry's stored form: codes and scales, or fp32 for small entries."""
+    if not quantizes(numel):
+        return numel * 4
+    return numel + -(-numel // BLOCK) * SCALE_DTYPE.itemsize
+
+
+def _codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uint8 views of ``t``'s storage that hold the codes and the scales."""
+    n = t.numel()
+    raw = t.view(-1).view(torch.uint8)
+    return raw[:n], raw[n : stored_nbytes(n)]
+
+
+@torch.no_grad()
+def quantize_chunk(x: torch.Tensor, signed: bool, sqrt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8) and per-block scales (fp32) of the 1-D fp32 ``x`` (of its
+    square root with ``sqrt``), blocks starting at ``x[0]``. New tensors: the
+    caller places them. ``x`` is read before anything is returned. Scratch:
+    9 bytes per element of ``x``."""
+    values, midpoints = _tables(signed, x.device)
+    n, blocks = x.numel(), -(-x.numel() // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:n].copy_(x)  # zero padding leaves the last block's maximum as it is
+    if sqrt:
+        padded.sqrt_()
+    padded = padded.view(blocks, BLOCK)
+    # The blocks' absolute maxima, without an abs() copy of the chunk; NaN stays NaN.
+    scales = torch.maximum(padded.amax(dim=1), padded.amin(dim=1).neg_())
+    # An all-zero block keeps scale 0 (it decodes to zeros).
+    padded.div_(scales.masked_fill(scales == 0, 1.0).unsqueeze(1))
+    codes = torch.bucketize(padded.view(-1)[:n], midpoints, out_int32=True).to(torch.uint8)
+    return codes, scales
+
+
+@torch.no_grad()
+def dequantize_chunk(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of ``codes`` (blocks starting at ``codes[0]``) under ``scales``."""
+    values, _ = _tables(signed, codes.device)
+    n = codes.numel()
+    out = torch.zeros(scales.numel() * BLOCK, dtype=torch.float32, device=codes.device)
+    torch.index_select(values, 0, codes.int(), out=out[:n])
+    out = out.view(-1, BLOCK).mul_(scales.unsqueeze(1)).view(-1)
+    return out[:n]
+
+
+@torch.no_grad()
+def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
+    """Rewrite the fp32 tensor ``t`` (``quantizes(t.numel())``) in its stored form,
+    in its first ``stored_nbytes`` bytes; its fp32 values are gone afterwards.
+    ``sqrt``: store the square root (``t`` must be non-negative)."""
+    flat = t.view(-1)
+    codes_out, scales_out = _codes_and_scales(t)
+    scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
+    for s, e in chunks(flat.numel()):
+        # quantize_chunk reads the whole chunk before its codes are written over it.
+        codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
+        codes_out[s:e].copy_(codes)
+    # Bytes [n, n + 4 * blocks) are fp32 elements [n / 4, ...): all read by now.
+    scales_out.copy_(scales.view(torch.uint8))
+
+
+@torch.no_grad()
+def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
+    """Turn ``t``'s stored form (just read into its first bytes) back into fp32, in place."""
+    flat = t.view(-1)
+    codes_in, scales_in = _codes_and_scales(t)
+    scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
+    for s, e in chunks(flat.numel(), backwards=True):
+        x = dequantize_chunk(codes_in[s:e], scales[s // BLOCK : -(-e // BLOCK)], signed)
+        flat[s:e].copy_(x.square_() if sqrt else x)
