@@ -10,7 +10,7 @@ each in its own process so GPU peaks, RSS and page cache are its own:
 - ``resident``: fp32 mains and moments on the device (no streaming);
 - ``sync-*``: the simple design (one bucket at a time, buffered I/O, one staging buffer);
 - ``pipelined-*``: the pipelined engine with direct I/O; ``rem`` = remainder mains;
-  ``fp32`` / ``bf16`` = moment storage;
+  ``fp32`` / ``bf16`` / ``8bit`` = moment storage;
 - ``host``: the pipelined engine over the host-RAM tier;
 - ``megatron-cpu-offload``: Megatron's ``HybridDeviceOptimizer`` (what
   ``--optimizer-cpu-offload`` builds: CPU AdamW over fp32 copies), with
@@ -64,6 +64,8 @@ MODES: dict[str, dict | None] = {
     "pipelined-bf16": dict(moment_dtype="bf16"),
     "pipelined-rem-fp32": dict(main_storage="remainder"),
     "pipelined-rem-bf16": dict(main_storage="remainder", moment_dtype="bf16"),
+    "pipelined-8bit": dict(moment_dtype="8bit"),
+    "pipelined-rem-8bit": dict(main_storage="remainder", moment_dtype="8bit"),
     "host": dict(tier="host"),
     "host-rem": dict(tier="host", main_storage="remainder"),
     "megatron-cpu-offload": None,
@@ -238,6 +240,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         out.update(
             bytes_read=store.last_step.bytes_read,
             bytes_written=store.last_step.bytes_written,
+            bytes_per_param_read=store.last_step.bytes_read / args.params,
+            bytes_per_param_written=store.last_step.bytes_written / args.params,
             state_residency_bytes=store.accounted_max_state_bytes,
         )
         store.close()
@@ -338,6 +342,12 @@ def _targets(regimes: dict) -> dict:
         "constrained: sync-bf16 / pipelined-rem-bf16 (>= 1.33)": ratio(
             get("constrained", "sync-bf16"), get("constrained", "pipelined-rem-bf16")
         ),
+        "constrained: pipelined-rem-bf16 / pipelined-rem-8bit (>= 1.35)": ratio(
+            get("constrained", "pipelined-rem-bf16"), get("constrained", "pipelined-rem-8bit")
+        ),
+        "constrained: sync-fp32 / pipelined-rem-8bit (>= 3.5)": ratio(
+            get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-8bit")
+        ),
         "roomy: sync-fp32 (page cache) / host (>= 5)": ratio(get("roomy", "sync-fp32"), get("roomy", "host")),
         "roomy: megatron-cpu-offload / host (> 1)": ratio(get("roomy", "megatron-cpu-offload"), get("roomy", "host")),
         "device peak below resident (>= 0.45)": (
@@ -353,6 +363,7 @@ def _table(regimes: dict) -> str:
         ("step s", 8, "step_seconds"),
         ("read GB", 8, "bytes_read"),
         ("wrote GB", 8, "bytes_written"),
+        ("B/param", 7, "bytes_per_param_read"),
         ("GB/s", 6, "gb_per_s"),
         ("bound s", 8, "disk_bound_seconds"),
         ("x bound", 7, "ratio_to_disk_bound"),

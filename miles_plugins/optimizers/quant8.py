@@ -122,14 +122,23 @@ def quantize_chunk(x: torch.Tensor, signed: bool, sqrt: bool = False) -> tuple[t
 
 
 @torch.no_grad()
-def dequantize_chunk(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    """fp32 values of ``codes`` (blocks starting at ``codes[0]``) under ``scales``."""
+def dequantize_chunk(
+    codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 values of ``codes`` (blocks starting at ``codes[0]``) under ``scales``,
+    into ``out`` when given (it may overlap ``codes``: they are read first).
+    Scratch: 4 bytes per code."""
     values, _ = _tables(signed, codes.device)
-    n = codes.numel()
-    out = torch.zeros(scales.numel() * BLOCK, dtype=torch.float32, device=codes.device)
-    torch.index_select(values, 0, codes.int(), out=out[:n])
-    out = out.view(-1, BLOCK).mul_(scales.unsqueeze(1)).view(-1)
-    return out[:n]
+    n, full = codes.numel(), codes.numel() // BLOCK * BLOCK
+    index = codes.int()  # every code read before out is written
+    out = torch.index_select(
+        values, 0, index, out=out if out is not None else torch.empty_like(index, dtype=values.dtype)
+    )
+    del index
+    out[:full].view(-1, BLOCK).mul_(scales[: full // BLOCK].unsqueeze(1))
+    if full < n:
+        out[full:].mul_(scales[-1])
+    return out
 
 
 @torch.no_grad()
@@ -155,5 +164,8 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     codes_in, scales_in = _codes_and_scales(t)
     scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
     for s, e in chunks(flat.numel(), backwards=True):
-        x = dequantize_chunk(codes_in[s:e], scales[s // BLOCK : -(-e // BLOCK)], signed)
-        flat[s:e].copy_(x.square_() if sqrt else x)
+        # fp32 chunk [s, e) is bytes [4s, 4e): its own codes (read first) and later
+        # chunks' codes (converted already), never an earlier chunk's.
+        dequantize_chunk(codes_in[s:e], scales[s // BLOCK : -(-e // BLOCK)], signed, out=flat[s:e])
+        if sqrt:
+            flat[s:e].square_()

@@ -10,7 +10,7 @@ process it trains the same model several times from the same seeds:
 - resident twice (the control: if the two differ, no comparison means anything);
 - streamed with fp32 moments, turned on the way a launcher does it (flags parsed
   by ``add_arguments`` -> ``setup_optimizer_state_streaming(args, optimizer)``);
-- streamed with bf16 moments;
+- streamed with bf16 and with 8-bit moments;
 - the other ways to store and move the state (``VARIANTS``: remainder mains,
   the host-RAM tier, the sync baseline engine), each judged bit for bit
   against the resident run too.
@@ -52,9 +52,10 @@ def init_distributed(expert_parallel: int) -> None:
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
 
 
-def build(moe: bool, expert_parallel: int):
-    """Model, DDP wrapper, optimizer and scheduler, seeded identically every time,
-    and the GPU bytes allocated before they were built (what earlier runs left)."""
+def build(moe: bool, expert_parallel: int, warmup_steps: int = 3, decay_steps: int = 12):
+    """Model, DDP wrapper, optimizer and scheduler (LR warmup, then cosine decay),
+    seeded identically every time, and the GPU bytes allocated before they were
+    built (what earlier runs left)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -118,12 +119,12 @@ def build(moe: bool, expert_parallel: int):
         init_lr=0.0,
         max_lr=1e-3,
         min_lr=1e-4,
-        lr_warmup_steps=3,
-        lr_decay_steps=12,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
         lr_decay_style="cosine",
         start_wd=0.1,
         end_wd=0.1,
-        wd_incr_steps=12,
+        wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
     return ddp, optimizer, scheduler, baseline
@@ -134,14 +135,19 @@ def batch(step: int) -> tuple[torch.Tensor, ...]:
     from megatron.core import parallel_state
 
     g = torch.Generator().manual_seed(SEED + 1000 * parallel_state.get_data_parallel_rank() + step)
-    tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g).cuda()
-    position_ids = torch.arange(SEQ, device="cuda").unsqueeze(0).expand(MICRO_BATCH, -1)
+    return as_batch(torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g))
+
+
+def as_batch(tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GPTModel's inputs and labels for ``tokens`` of shape (batch, SEQ + 1), on the GPU."""
+    tokens = tokens.cuda()
+    position_ids = torch.arange(SEQ, device="cuda").unsqueeze(0).expand(tokens.shape[0], -1)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device="cuda"), diagonal=1)
     return tokens[:, :-1], position_ids, mask, tokens[:, 1:]
 
 
-def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0) -> dict:
-    """Train steps ``start`` .. ``start + steps - 1``; per step, the GPU peak during
+def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0, batch_of=batch) -> dict:
+    """Train steps ``start`` .. ``start + steps - 1`` on ``batch_of(step)``; per step, the GPU peak during
     ``optimizer.step()`` above ``baseline`` (model, grads, optimizer state and the
     step's temporaries), and what the step added to the memory allocated right
     before it (measured by the allocator, immune to what earlier runs left)."""
@@ -149,7 +155,7 @@ def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0) 
     for step in range(start, start + steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        tokens, position_ids, mask, labels = batch(step)
+        tokens, position_ids, mask, labels = batch_of(step)
         loss = ddp(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
         ddp.finish_grad_sync()
@@ -318,18 +324,26 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
     del ddp, opt, sched, bindings
     torch.cuda.empty_cache()
 
-    ddp, opt, sched, baseline = build(moe, expert_parallel)
-    bindings = setup_optimizer_state_streaming(flags(directory, "bf16"), opt)
-    bf16 = train(ddp, opt, sched, baseline, steps)
-    result["losses_bf16_moments"] = bf16["losses"]
-    result["bf16_max_rel_loss_diff"] = max(
-        abs(a - b) / abs(b) for a, b in zip(bf16["losses"], resident["losses"], strict=True)
-    )
-    result["bf16_mains_differ"] = not all_same([s[0] for s in streamed_state(bindings)], [s[0] for s in resident_opt])
-    for b in bindings:
-        b.store.close()
-    del ddp, opt, sched, bindings
-    torch.cuda.empty_cache()
+    # Compact moments are storage formats: judged by how far the loss curve moves.
+    result["compact_moments"] = {}
+    for moment_dtype in ("bf16", "8bit"):
+        ddp, opt, sched, baseline = build(moe, expert_parallel)
+        bindings = setup_optimizer_state_streaming(flags(directory, moment_dtype), opt)
+        compact = train(ddp, opt, sched, baseline, steps)
+        result["compact_moments"][moment_dtype] = {
+            "losses": compact["losses"],
+            "max_rel_loss_diff": max(
+                abs(a - b) / abs(b) for a, b in zip(compact["losses"], resident["losses"], strict=True)
+            ),
+            "mains_differ": not all_same([s[0] for s in streamed_state(bindings)], [s[0] for s in resident_opt]),
+            "file_bytes_total": sum(b.store.file_bytes_total for b in bindings),
+            "step_added_bytes": max(compact["added"]),
+            "step_device_bytes_bound": step_bound(bindings),
+        }
+        for b in bindings:
+            b.store.close()
+        del ddp, opt, sched, bindings
+        torch.cuda.empty_cache()
 
     result["variants"] = {}
     for name, extra in VARIANTS.items():
