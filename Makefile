@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint
+.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments
 
 venv: $(VENV)/.installed
 
@@ -63,6 +63,11 @@ bench: venv
 
 bench-checkpoint: venv
 	$(PY) -m bench.checkpoint_save $(BENCH_ARGS)
+
+# How moment storage formats train (CPU, about a minute): bench/moment_formats.py. The
+# GPU counterpart, a real Megatron GPT for 300 steps, is bench/moment_training.py.
+bench-moments: venv
+	$(PY) -m bench.moment_formats $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
