@@ -45,7 +45,13 @@ import time
 import torch
 
 from bench import disk
-from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, DEFAULT_IO_THREADS, DEFAULT_STAGING_CHUNK_MB
+from miles_plugins.optimizers.config import (
+    DEFAULT_BUCKET_CAP_ELEMENTS,
+    DEFAULT_IO_THREADS,
+    DEFAULT_STAGING_BUDGET_MB,
+    StreamConfig,
+)
+from miles_plugins.optimizers.errors import StreamConfigError
 
 WIDTH = 4096
 # A pipeline needs buckets to overlap: small models get a smaller cap than the store's default.
@@ -195,7 +201,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             directory=args.dir,
             name=f"bench-{os.getpid()}",
             bucket_cap_elements=args.bucket_cap,
-            staging_chunk_mb=args.chunk_mb,
+            staging_budget_mb=int(args.staging_mb),
             io_threads=args.io_threads,
             **MODES[mode],
         )
@@ -270,7 +276,7 @@ def _cgroup(limit: int) -> str | None:
     return path
 
 
-def _child(mode: str, args: argparse.Namespace, cgroup: str | None) -> dict:
+def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     cmd = [sys.executable, "-m", "bench.optimizer_step", "--child", mode, "--child-out", result_path]
@@ -278,8 +284,8 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None) -> dict:
     cmd += [
         "--bucket-cap",
         str(args.bucket_cap),
-        "--chunk-mb",
-        str(args.chunk_mb),
+        "--staging-mb",
+        str(staging_mb),
         "--io-threads",
         str(args.io_threads),
     ]
@@ -332,7 +338,19 @@ def _targets(regimes: dict) -> dict:
     streamed_peak = get("constrained", "pipelined-fp32", "device_peak_bytes") or get(
         "roomy", "pipelined-fp32", "device_peak_bytes"
     )
-    return {
+    split = {}
+    for regime, results in regimes.items():
+        by_mode: dict[str, dict[int, float]] = {}
+        for key, r in results.items():
+            if "@" in key and r.get("step_seconds"):
+                by_mode.setdefault(r["mode"], {})[r["staging_budget_mb"]] = r["step_seconds"]
+        for mode, steps in by_mode.items():
+            if len(steps) > 1:
+                small, large = min(steps), max(steps)
+                split[f"{regime}: {mode} step at {small} MiB staging / at {large} MiB (~1)"] = (
+                    steps[small] / steps[large]
+                )
+    return split | {
         "constrained: pipelined-fp32 step / disk bound (<= 1.1)": get(
             "constrained", "pipelined-fp32", "ratio_to_disk_bound"
         ),
@@ -408,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"elements per bucket (default: the store's {DEFAULT_BUCKET_CAP_ELEMENTS}, or less to get {MIN_BUCKETS} buckets)",
     )
-    parser.add_argument("--chunk-mb", type=int, default=DEFAULT_STAGING_CHUNK_MB)
+    parser.add_argument(
+        "--staging-mb",
+        default=str(DEFAULT_STAGING_BUDGET_MB),
+        help="host staging budget (MiB) of the streamed modes; several (e.g. 16,64,256) run each mode at each",
+    )
     parser.add_argument("--io-threads", type=int, default=DEFAULT_IO_THREADS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench-results/optimizer_step.json")
@@ -435,7 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     state_bytes = 12 * args.params
     print(f"{args.params / 1e9:.3g}B params, {state_bytes / 1e9:.3g} GB of fp32 state, on {args.device}", flush=True)
     print(f"measuring the disk under {args.dir} with direct I/O...", flush=True)
-    rates = disk.measure(args.dir, min(state_bytes, 4 << 30), args.chunk_mb << 20, args.io_threads)
+    try:
+        budgets = [int(mb) for mb in args.staging_mb.split(",") if mb]
+        StreamConfig(directory=args.dir, staging_budget_mb=min(budgets))
+    except (ValueError, StreamConfigError) as exc:
+        parser.error(f"--staging-mb {args.staging_mb!r}: {exc}")
+    chunk = StreamConfig(directory=args.dir, staging_budget_mb=budgets[0], io_threads=args.io_threads).staging_bytes
+    rates = disk.measure(args.dir, min(state_bytes, 4 << 30), chunk, args.io_threads)
     print(
         f"  reads {rates.read / 1e9:.2f} GB/s, writes {rates.write / 1e9:.2f} GB/s; both at once "
         f"{rates.mixed_read / 1e9:.2f} + {rates.mixed_write / 1e9:.2f} GB/s (direct I/O: {rates.direct})",
@@ -478,9 +506,13 @@ def main(argv: list[str] | None = None) -> int:
                 if why:
                     results[mode] = {"mode": mode, "skipped": why}
                     continue
-                print(f"[{regime}] {mode}...", flush=True)
-                results[mode] = _child(mode, args, cgroup)
-                _derive(results[mode], rates)
+                streamed = MODES[mode] is not None
+                for mb in budgets if streamed else budgets[:1]:
+                    key = f"{mode}@{mb}MiB" if streamed and len(budgets) > 1 else mode
+                    print(f"[{regime}] {key}...", flush=True)
+                    results[key] = _child(mode, args, cgroup, mb)
+                    results[key]["staging_budget_mb"] = mb if streamed else None
+                    _derive(results[key], rates)
         finally:
             if cgroup:
                 os.rmdir(cgroup)

@@ -25,7 +25,7 @@ from miles_plugins.optimizers.config import (
     DEFAULT_BUCKETS_IN_FLIGHT,
     DEFAULT_IO_THREADS,
     DEFAULT_IO_TIMEOUT_S,
-    DEFAULT_STAGING_CHUNK_MB,
+    DEFAULT_STAGING_BUDGET_MB,
     ENGINES,
     MAIN_STORAGES,
     MOMENT_DTYPES,
@@ -35,96 +35,122 @@ from miles_plugins.optimizers.config import (
 from miles_plugins.optimizers.errors import StreamConfigError
 
 STREAM_FLAG = "stream_optimizer_state_to_disk"
-DEFAULT_DIR_NAME = "optimizer_state"
+# The default --offload-train-disk-dir is miles' own ($SCRATCH/miles_train_offload_<uid>):
+# one directory per node-local disk for both of miles' disk mechanisms, each in its
+# own subdirectory. The streamed state's is STATE_SUBDIR, with a scratch per rank in it.
+DEFAULT_DIR_NAME = "miles_train_offload"
+STATE_SUBDIR = "optimizer_state"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the streaming flags. The disk-offload directory flags are shared with
-    miles' disk offload: where the parser already has them, they are left as they are."""
+    """Add the streaming flags the parser lacks. A launcher that defines some of
+    them itself (miles defines ``--stream-optimizer-state-to-disk``, the moment
+    dtype and both ``--offload-train-disk-*`` flags) keeps its own definitions:
+    their types, defaults, choices and help stay as it wrote them."""
     group = parser.add_argument_group("optimizer-state streaming")
-    group.add_argument(
-        "--stream-optimizer-state-to-disk",
-        action="store_true",
-        help="keep fp32 mains and Adam moments in per-bucket files and stream them through optimizer.step()",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-moment-dtype",
-        choices=list(MOMENT_DTYPES),
-        default="fp32",
-        help="storage dtype of the Adam moments (fp32 is bit-exact; bf16 halves their bytes; "
-        "8bit quarters them, scaled per block of 256)",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-tier",
-        choices=list(TIERS),
-        default="disk",
-        help="where the state lives between steps: per-bucket files (disk) or pinned host memory (host)",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-engine",
-        choices=list(ENGINES),
-        default="pipelined",
-        help="pipelined (overlapped reads/compute/writes, direct I/O) or sync (one bucket at a time; a baseline)",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-main-storage",
-        choices=list(MAIN_STORAGES),
-        default="fp32",
-        help="fp32 mains, or remainder: 16 bits beside the bf16 param, still bit-exact (bf16 params only)",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-buckets-in-flight",
-        type=int,
-        default=DEFAULT_BUCKETS_IN_FLIGHT,
-        help="buckets on the GPU at once (pipelined): GPU memory traded for overlap",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-io-threads",
-        type=int,
-        default=DEFAULT_IO_THREADS,
-        help="requests in flight per direction (pipelined)",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-bucket-cap",
-        type=int,
-        default=DEFAULT_BUCKET_CAP_ELEMENTS,
-        help="most elements in one streaming bucket",
-    )
-    group.add_argument(
-        "--stream-optimizer-state-io-timeout",
-        type=float,
-        default=DEFAULT_IO_TIMEOUT_S,
-        help="seconds a bucket's transfers may take before the step fails (a hung drive; pipelined)",
-    )
-    group.add_argument(
-        "--no-stream-optimizer-state-direct-io",
-        dest="stream_optimizer_state_direct_io",
-        action="store_false",
-        help="use buffered I/O for the bucket files even where O_DIRECT works",
-    )
-    shared = [
-        (
-            "--offload-train-disk-dir",
-            dict(
-                default=None,
-                help="node-local directory for offloaded and streamed state "
-                "(default: $SCRATCH/optimizer_state_<uid>, /scratch when SCRATCH is unset)",
-            ),
-        ),
-        (
-            "--offload-train-disk-chunk-mb",
-            dict(type=int, default=DEFAULT_STAGING_CHUNK_MB, help="host staging chunk for disk transfers, MiB"),
-        ),
-    ]
-    for flag, kwargs in shared:
-        try:
-            group.add_argument(flag, **kwargs)
-        except argparse.ArgumentError:
-            pass  # the launcher already defines this shared flag
+    for flags, kwargs in _FLAGS:
+        if not any(flag in parser._option_string_actions for flag in flags):
+            group.add_argument(*flags, **kwargs)
     return parser
 
 
+_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        ("--stream-optimizer-state-to-disk",),
+        dict(
+            action="store_true",
+            help="keep fp32 mains and Adam moments in per-bucket files and stream them through optimizer.step()",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-moment-dtype",),
+        dict(
+            choices=list(MOMENT_DTYPES),
+            default="fp32",
+            help="storage dtype of the Adam moments (fp32 is bit-exact; bf16 halves their bytes; "
+            "8bit quarters them, scaled per block of 256)",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-tier",),
+        dict(
+            choices=list(TIERS),
+            default="disk",
+            help="where the state lives between steps: per-bucket files (disk) or pinned host memory (host)",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-engine",),
+        dict(
+            choices=list(ENGINES),
+            default="pipelined",
+            help="pipelined (overlapped reads/compute/writes, direct I/O) or sync (one bucket at a time; a baseline)",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-main-storage",),
+        dict(
+            choices=list(MAIN_STORAGES),
+            default="fp32",
+            help="fp32 mains, or remainder: 16 bits beside the bf16 param, still bit-exact (bf16 params only)",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-buckets-in-flight",),
+        dict(
+            type=int,
+            default=DEFAULT_BUCKETS_IN_FLIGHT,
+            help="buckets on the GPU at once (pipelined): GPU memory traded for overlap",
+        ),
+    ),
+    (
+        ("--stream-optimizer-state-io-threads",),
+        dict(type=int, default=DEFAULT_IO_THREADS, help="requests in flight per direction (pipelined)"),
+    ),
+    (
+        ("--stream-optimizer-state-bucket-cap",),
+        dict(type=int, default=DEFAULT_BUCKET_CAP_ELEMENTS, help="most elements in one streaming bucket"),
+    ),
+    (
+        ("--stream-optimizer-state-io-timeout",),
+        dict(
+            type=float,
+            default=DEFAULT_IO_TIMEOUT_S,
+            help="seconds a bucket's transfers may take before the step fails (a hung drive; pipelined)",
+        ),
+    ),
+    (
+        ("--no-stream-optimizer-state-direct-io",),
+        dict(
+            dest="stream_optimizer_state_direct_io",
+            action="store_false",
+            help="use buffered I/O for the bucket files even where O_DIRECT works",
+        ),
+    ),
+    # Shared with miles' disk offload of the training actor (each under its own subdirectory).
+    (
+        ("--offload-train-disk-dir",),
+        dict(
+            default=None,
+            help="node-local directory for offloaded and streamed state; the streamed state goes in its "
+            f"{STATE_SUBDIR}/ subdirectory (default: $SCRATCH/miles_train_offload_<uid>, /scratch when "
+            "SCRATCH is unset)",
+        ),
+    ),
+    (
+        ("--offload-train-disk-chunk-mb",),
+        dict(
+            type=int,
+            default=DEFAULT_STAGING_BUDGET_MB,
+            help="host staging memory for disk transfers, MiB, in all: the pinned buffer that bounds "
+            "streaming's host memory, split among the I/O threads",
+        ),
+    ),
+)
+
+
 def default_directory() -> str:
+    """miles' default --offload-train-disk-dir."""
     return os.path.join(os.environ.get("SCRATCH") or "/scratch", f"{DEFAULT_DIR_NAME}_{os.getuid()}")
 
 
@@ -322,7 +348,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not _get(args, STREAM_FLAG, False):
         return
     reasons = refusals_of_args(args)
-    chunk = _get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_CHUNK_MB)
+    chunk = _get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB)
     if not isinstance(chunk, int) or chunk <= 0:
         reasons.append(f"--offload-train-disk-chunk-mb is {chunk!r}: it must be a positive number of MiB")
     if reasons:
@@ -337,10 +363,10 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
     ``name`` is this process's scratch subdirectory (e.g. ``rank3``).
     """
     return StreamConfig(
-        directory=_get(args, "offload_train_disk_dir") or default_directory(),
+        directory=os.path.join(_get(args, "offload_train_disk_dir") or default_directory(), STATE_SUBDIR),
         moment_dtype=_get(args, "stream_optimizer_state_moment_dtype", "fp32"),
         bucket_cap_elements=_get(args, "stream_optimizer_state_bucket_cap", DEFAULT_BUCKET_CAP_ELEMENTS),
-        staging_chunk_mb=_get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_CHUNK_MB),
+        staging_budget_mb=_get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB),
         name=name,
         tier=_get(args, "stream_optimizer_state_tier", "disk"),
         engine=_get(args, "stream_optimizer_state_engine", "pipelined"),

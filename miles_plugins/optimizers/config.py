@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.layout import ALIGNMENT as DIRECT_IO_ALIGNMENT
 
 # Storage dtypes for the Adam moments (they always compute in fp32). Mains are
 # stored as fp32 or as remainders (MAIN_STORAGES): they must round-trip exactly.
@@ -62,9 +63,15 @@ DEFAULT_IO_THREADS = 4
 # milliseconds; a drive stalled for 5 minutes is not coming back in time.
 DEFAULT_IO_TIMEOUT_S = 300.0
 
-# Size of one transfer request and of each staging chunk. Host memory for streaming
-# is bounded by the staging chunks: (2 x io_threads) chunks pipelined, one for sync.
-DEFAULT_STAGING_CHUNK_MB = 16
+# Host staging memory for transfers, in all: the pipelined engine splits it into one
+# chunk per I/O thread and direction (2 x io_threads chunks of 16 MiB by default);
+# the sync engine uses it as its one chunk. A chunk is one transfer request.
+DEFAULT_STAGING_BUDGET_MB = 128
+
+# The smallest request the split may make: with direct I/O, requests of 2 MiB, 4 or
+# more in flight, keep a drive busy. A budget too small to give every I/O thread a
+# chunk this large gets fewer threads.
+MIN_STAGING_CHUNK_MB = 2
 
 # Params whose model dtype is already fp32 keep their state resident (their main
 # *is* the model param). Above this many elements that residency is worth a warning.
@@ -88,9 +95,12 @@ class StreamConfig:
             of its own. Buckets bound the optimizer state on the device
             (``buckets_in_flight`` of them at once): a cap so large that every
             bucket is in flight at once is warned about.
-        staging_chunk_mb: size of one transfer request and of each host staging
-            chunk; host memory used for streaming is bounded by the chunks
-            (``staging_bytes_total``).
+        staging_budget_mb: host staging memory for transfers, in all (pinned on
+            CUDA): the pipelined engine splits it into a chunk per I/O thread
+            and direction, each chunk one transfer request (at least
+            ``MIN_STAGING_CHUNK_MB``: a smaller budget gets fewer threads); the
+            sync engine uses it whole as its one chunk. Streaming's host memory
+            is bounded by it (``staging_bytes_total``).
         tier: ``"disk"`` (per-bucket files under ``directory``) or ``"host"``
             (pinned host memory; ``directory`` is then unused by the step).
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
@@ -115,7 +125,7 @@ class StreamConfig:
     directory: str = ""
     moment_dtype: str = "fp32"
     bucket_cap_elements: int = DEFAULT_BUCKET_CAP_ELEMENTS
-    staging_chunk_mb: int = DEFAULT_STAGING_CHUNK_MB
+    staging_budget_mb: int = DEFAULT_STAGING_BUDGET_MB
     resident_warn_elements: int = DEFAULT_RESIDENT_WARN_ELEMENTS
     name: str = "rank0"
     tier: str = "disk"
@@ -146,11 +156,11 @@ class StreamConfig:
         if self.bucket_cap_elements <= 0:
             raise StreamConfigError(f"bucket cap must be > 0 elements, got {self.bucket_cap_elements}")
         if (
-            isinstance(self.staging_chunk_mb, bool)
-            or not isinstance(self.staging_chunk_mb, int)
-            or self.staging_chunk_mb <= 0
+            isinstance(self.staging_budget_mb, bool)
+            or not isinstance(self.staging_budget_mb, int)
+            or self.staging_budget_mb <= 0
         ):
-            raise StreamConfigError(f"staging chunk must be a positive number of MiB, got {self.staging_chunk_mb!r}")
+            raise StreamConfigError(f"staging budget must be a positive number of MiB, got {self.staging_budget_mb!r}")
         for field, choices in (("tier", TIERS), ("engine", ENGINES), ("main_storage", MAIN_STORAGES)):
             if getattr(self, field) not in choices:
                 raise StreamConfigError(
@@ -167,6 +177,11 @@ class StreamConfig:
             or self.io_timeout_s <= 0
         ):
             raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")
+        if self.pipelined and self.staging_budget_mb < 2 * MIN_STAGING_CHUNK_MB:
+            raise StreamConfigError(
+                f"staging budget {self.staging_budget_mb} MiB is too small: the pipelined engine needs a chunk "
+                f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction ({2 * MIN_STAGING_CHUNK_MB} MiB in all)"
+            )
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
 
@@ -179,9 +194,18 @@ class StreamConfig:
         return self.moment_dtype in BLOCKWISE_MOMENT_DTYPES
 
     @property
+    def transfer_threads(self) -> int:
+        """I/O threads per direction the staging budget funds (pipelined): ``io_threads``,
+        or fewer when the budget cannot give each a chunk of ``MIN_STAGING_CHUNK_MB``."""
+        return max(1, min(self.io_threads, self.staging_budget_mb // (2 * MIN_STAGING_CHUNK_MB)))
+
+    @property
     def staging_bytes(self) -> int:
-        """Bytes of one staging chunk (one transfer request)."""
-        return self.staging_chunk_mb * 1024 * 1024
+        """Bytes of one staging chunk (one transfer request), a multiple of the
+        direct-I/O alignment: the budget split among the chunks."""
+        budget = self.staging_budget_mb * 1024 * 1024
+        chunk = budget // (2 * self.transfer_threads) if self.pipelined else budget
+        return chunk // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
 
     @property
     def pipelined(self) -> bool:
@@ -194,5 +218,6 @@ class StreamConfig:
 
     @property
     def staging_bytes_total(self) -> int:
-        """Host staging memory: one chunk per I/O thread, or the baseline's one chunk."""
-        return self.staging_bytes * (2 * self.io_threads if self.pipelined else 1)
+        """Host staging memory: one chunk per I/O thread and direction, or the
+        baseline's one chunk; at most the budget."""
+        return self.staging_bytes * (2 * self.transfer_threads if self.pipelined else 1)

@@ -27,7 +27,7 @@ import torch
 from miles_plugins.optimizers import quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
@@ -456,19 +456,34 @@ def _groups_of(entries: Sequence[Entry], indices: Sequence[int]) -> list[tuple[i
 
 
 def _log_setup(store: StreamingStore) -> None:
+    config = store.config
     logger.info(
         "optimizer state streams through %s (%s engine%s): %d buckets, %.2f GB stored, %.2f GB "
-        "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident",
+        "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident; "
+        "host staging %d MiB (%s)",
         store.location,
-        store.config.engine,
+        config.engine,
         ", direct I/O" if getattr(store._backing, "direct", False) else "",
         len(store.buckets),
         store.file_bytes_total / 1e9,
         store.state_bytes_total / 1e9,
         store.bucket_bytes_max / 1e9,
-        store.config.depth,
+        config.depth,
         len(store._resident_entries),
+        config.staging_bytes_total >> 20,
+        f"{2 * config.transfer_threads} chunks of {config.staging_bytes / 2**20:g} MiB"
+        if config.pipelined
+        else "one chunk",
     )
+    if config.pipelined and config.transfer_threads < config.io_threads:
+        logger.warning(
+            "a staging budget of %d MiB funds %d I/O threads per direction, not the %d asked for (each needs "
+            "two chunks of at least %d MiB); raise the budget for more requests in flight",
+            config.staging_budget_mb,
+            config.transfer_threads,
+            config.io_threads,
+            MIN_STAGING_CHUNK_MB,
+        )
 
 
 def _description(config: StreamConfig, buckets, resident_mains, master, topology: dict) -> dict:
@@ -559,7 +574,7 @@ def _open_backing_and_engine(config: StreamConfig, buckets, scratch: ScratchDir 
         backing = HostBacking(buckets, pin=pin)
     try:
         if config.pipelined:
-            engine = PipelinedEngine(config.io_threads, config.staging_bytes, pin, device, config.io_timeout_s)
+            engine = PipelinedEngine(config.transfer_threads, config.staging_bytes, pin, device, config.io_timeout_s)
         else:
             engine = SyncEngine(config.staging_bytes, pin)
     except BaseException:

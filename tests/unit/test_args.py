@@ -5,8 +5,14 @@ import argparse
 import pytest
 
 from miles_plugins.optimizers import StreamConfigError
-from miles_plugins.optimizers.args import add_arguments, default_directory, validate_args
-from miles_plugins.optimizers.config import DEFAULT_STAGING_CHUNK_MB
+from miles_plugins.optimizers.args import (
+    STATE_SUBDIR,
+    add_arguments,
+    config_from_args,
+    default_directory,
+    validate_args,
+)
+from miles_plugins.optimizers.config import DEFAULT_STAGING_BUDGET_MB
 
 # The miles/Megatron fields these checks read, at their launcher defaults.
 BASE = dict(
@@ -122,7 +128,7 @@ def test_missing_directory_defaults_under_scratch(monkeypatch, scratch, root):
     args = _ns(offload_train_disk_dir=None)
     validate_args(args)
     assert args.offload_train_disk_dir == default_directory()
-    assert args.offload_train_disk_dir.startswith(root + "/optimizer_state_")
+    assert args.offload_train_disk_dir.startswith(root + "/miles_train_offload_"), "miles' default, not a second one"
 
 
 def test_parser_gets_the_flags_and_keeps_shared_ones_it_already_has():
@@ -133,6 +139,69 @@ def test_parser_gets_the_flags_and_keeps_shared_ones_it_already_has():
     assert args.stream_optimizer_state_to_disk is True
     assert args.stream_optimizer_state_moment_dtype == "bf16"
     assert args.offload_train_disk_dir == "/launcher/default"
-    assert args.offload_train_disk_chunk_mb == DEFAULT_STAGING_CHUNK_MB
+    assert args.offload_train_disk_chunk_mb == DEFAULT_STAGING_BUDGET_MB
     with pytest.raises(SystemExit):
         parser.parse_args(["--stream-optimizer-state-moment-dtype", "fp64"])
+
+
+def _miles_parser() -> argparse.ArgumentParser:
+    """The streaming-related flags exactly as radixark/miles 31f1ca961 defines them
+    (miles/utils/arguments.py; help texts shortened), on a parser of their own."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stream-optimizer-state-to-disk", action="store_true", help="miles: stream")
+    parser.add_argument(
+        "--stream-optimizer-state-moment-dtype",
+        type=str,
+        default="fp32",
+        choices=["fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2"],
+        help="miles: on-disk dtype",
+    )
+    parser.add_argument("--offload-train-disk-dir", type=str, default=None, help="miles: directory")
+    parser.add_argument("--offload-train-disk-chunk-mb", type=int, default=256, help="miles: staging buffer")
+    return parser
+
+
+def _definitions(parser: argparse.ArgumentParser) -> dict[str, tuple]:
+    return {a.dest: (a, tuple(a.option_strings), a.default, a.choices, a.type, a.help) for a in parser._actions}
+
+
+def test_on_miles_parser_only_missing_flags_are_added_and_miles_definitions_stay():
+    parser = _miles_parser()
+    before = _definitions(parser)
+    add_arguments(parser)
+    add_arguments(parser)  # a second call adds nothing either
+    after = _definitions(parser)
+    assert {dest: after[dest] for dest in before} == before, "a miles definition changed"
+    assert set(after) - set(before) == {
+        "stream_optimizer_state_tier",
+        "stream_optimizer_state_engine",
+        "stream_optimizer_state_main_storage",
+        "stream_optimizer_state_buckets_in_flight",
+        "stream_optimizer_state_io_threads",
+        "stream_optimizer_state_bucket_cap",
+        "stream_optimizer_state_io_timeout",
+        "stream_optimizer_state_direct_io",
+    }
+    args = parser.parse_args(["--stream-optimizer-state-to-disk", "--stream-optimizer-state-tier", "host"])
+    assert args.stream_optimizer_state_tier == "host" and args.offload_train_disk_chunk_mb == 256
+
+
+@pytest.mark.parametrize("miles_filled_the_directory", [True, False])
+def test_under_miles_the_store_lives_in_a_subdirectory_of_miles_directory(monkeypatch, miles_filled_the_directory):
+    """miles' validation fills --offload-train-disk-dir with $SCRATCH/miles_train_offload_<uid>
+    when streaming is on; ours fills the same default when it did not. The streamed
+    state goes in its own subdirectory, beside miles' per-rank training-offload ones,
+    and miles' --offload-train-disk-chunk-mb is the whole staging budget."""
+    monkeypatch.setenv("SCRATCH", "/nvme")
+    parser = _miles_parser()
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-optimizer-state-to-disk"])
+    if miles_filled_the_directory:
+        import os
+
+        args.offload_train_disk_dir = os.path.join("/nvme", f"miles_train_offload_{os.getuid()}")
+    args.use_distributed_optimizer, args.optimizer = True, "adam"
+    validate_args(args)
+    config = config_from_args(args, name="rank0")
+    assert config.directory == f"{default_directory()}/{STATE_SUBDIR}"
+    assert config.staging_bytes_total == 256 << 20

@@ -40,10 +40,16 @@ def test_non_positive_bucket_cap_is_refused(tmp_path, cap):
         StreamConfig(directory=str(tmp_path), bucket_cap_elements=cap)
 
 
-@pytest.mark.parametrize("chunk", [0, -5, 1.5])
-def test_bad_staging_chunk_is_refused(tmp_path, chunk):
-    with pytest.raises(StreamConfigError, match="staging chunk"):
-        StreamConfig(directory=str(tmp_path), staging_chunk_mb=chunk)
+@pytest.mark.parametrize("budget", [0, -5, 1.5, True])
+def test_bad_staging_budget_is_refused(tmp_path, budget):
+    with pytest.raises(StreamConfigError, match="staging budget must be a positive number of MiB"):
+        StreamConfig(directory=str(tmp_path), staging_budget_mb=budget)
+
+
+def test_a_staging_budget_below_two_minimum_chunks_is_refused_for_the_pipelined_engine(tmp_path):
+    with pytest.raises(StreamConfigError, match="staging budget 3 MiB is too small: .* at least 2 MiB per direction"):
+        StreamConfig(directory=str(tmp_path), staging_budget_mb=3)
+    assert StreamConfig(directory=str(tmp_path), staging_budget_mb=3, engine="sync").staging_bytes == 3 << 20
 
 
 def test_directory_under_a_file_cannot_be_created(tmp_path):

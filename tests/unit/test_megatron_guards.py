@@ -178,7 +178,9 @@ def test_flags_reach_the_stream_config(tmp_path):
         "8",
     )
     config = config_from_args(args, name="rank3")
-    assert config == StreamConfig(directory=str(tmp_path), moment_dtype="bf16", staging_chunk_mb=8, name="rank3")
+    assert config == StreamConfig(
+        directory=str(tmp_path / "optimizer_state"), moment_dtype="bf16", staging_budget_mb=8, name="rank3"
+    )
 
 
 def test_tier_engine_and_format_flags_reach_the_stream_config(tmp_path):

@@ -1,5 +1,7 @@
 """Host memory is bounded by the staging chunks and the buckets in flight, not by the state size."""
 
+import logging
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def _reset_peak_rss() -> None:
 def test_host_memory_does_not_grow_with_state_size(tmp_path, engine):
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(LAYERS))).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters())
-    config = StreamConfig(directory=str(tmp_path), bucket_cap_elements=CAP, staging_chunk_mb=4, engine=engine)
+    config = StreamConfig(directory=str(tmp_path), bucket_cap_elements=CAP, staging_budget_mb=32, engine=engine)
     with StreamedOptimizer(optimizer, config) as streamed:
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -43,3 +45,22 @@ def test_host_memory_does_not_grow_with_state_size(tmp_path, engine):
     bound = (config.depth + 2) * CAP * 12 + config.staging_bytes_total + 8 * 2**20
     assert state >= 3 * bound
     assert growth <= bound, f"peak RSS grew {growth} bytes for a {state}-byte state (bound {bound})"
+
+
+@pytest.mark.parametrize(
+    "budget_mb, threads, chunk_mb",
+    [(16, 4, 2), (64, 4, 8), (256, 4, 32), (8, 2, 2), (4, 1, 2)],
+    ids=["16MiB", "64MiB", "256MiB-miles-default", "8MiB-two-threads", "4MiB-one-thread"],
+)
+def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, caplog, budget_mb, threads, chunk_mb):
+    """miles documents --offload-train-disk-chunk-mb as the pinned buffer that bounds
+    host memory: the engine's staging chunks add up to it, never 2 x io_threads times it."""
+    model = torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16)
+    config = StreamConfig(directory=str(tmp_path), staging_budget_mb=budget_mb)
+    with caplog.at_level(logging.WARNING), StreamedOptimizer(torch.optim.AdamW(model.parameters()), config) as streamed:
+        stagings = streamed.store._engine._stagings
+        assert len(stagings) == 2 * threads
+        assert {s.nbytes for s in stagings} == {chunk_mb << 20}
+        assert sum(s.nbytes for s in stagings) == config.staging_bytes_total <= budget_mb << 20
+    reduced = [r.getMessage() for r in caplog.records if "funds" in r.getMessage()]
+    assert bool(reduced) == (threads < 4), reduced
