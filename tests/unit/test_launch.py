@@ -1,0 +1,180 @@
+"""The launcher for Megatron-LM scripts: usage, refusals, and the two wrapped names.
+
+A real ``pretrain_gpt.py`` needs CUDA, so here the scripts run against a
+stand-in ``megatron/training`` package written into a temporary tree: the
+few names the launcher wraps (``arguments.parse_args``,
+``training.get_megatron_optimizer``, ``training.train``) with the same call
+structure as Megatron-LM core_v0.19.0 (``parse_and_validate_args`` calls
+``parse_args`` by its module-global name; ``pretrain`` calls
+``setup_model_and_optimizer``, which calls ``get_megatron_optimizer``, then
+``train``). The real script runs through the launcher in the GPU tier.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.unit.test_bad_input import REPO
+
+TRAINING = {
+    "__init__.py": "from .global_vars import get_args\nfrom .training import pretrain\n",
+    "global_vars.py": """
+        _ARGS = None
+
+        def get_args():
+            return _ARGS
+
+        def set_args(args):
+            global _ARGS
+            _ARGS = args
+    """,
+    "arguments.py": """
+        import argparse
+
+        from megatron.training.global_vars import set_args
+
+        def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False):
+            args = parse_args(extra_args_provider, ignore_unknown_args)
+            set_args(args)
+            return args
+
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--use-distributed-optimizer", action="store_true")
+            parser.add_argument("--train-iters", type=int, default=1)
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return parser.parse_args()
+    """,
+    "training.py": """
+        def get_megatron_optimizer(config, model_chunks):
+            print("optimizer built", flush=True)
+            return object()
+
+        def setup_model_and_optimizer():
+            return get_megatron_optimizer(None, [])
+
+        def train(optimizer):
+            print("training", flush=True)
+
+        def pretrain():
+            train(setup_model_and_optimizer())
+    """,
+}
+PATCHED = """
+    from megatron_hooks import checkpoint as _optimizer_state_hooks
+
+    MILES_OPTIMIZER_STATE_HOOK_ABI = _optimizer_state_hooks.HOOK_ABI_VERSION
+"""
+PRETRAIN = """
+    import sys
+
+    from megatron.training import pretrain
+    from megatron.training.arguments import parse_and_validate_args
+
+    if __name__ == "__main__":
+        args = parse_and_validate_args(extra_args_provider=lambda p: p.add_argument("--mine", default="x") and p)
+        print("argv0", sys.argv[0], "mine", args.mine, "tier", args.stream_optimizer_state_tier, flush=True)
+        pretrain()
+"""
+
+
+def _tree(tmp_path, patched=True, script=PRETRAIN) -> str:
+    """A tree holding a stand-in megatron/training and ``script`` as pretrain.py."""
+    package = tmp_path / "megatron" / "training"
+    package.mkdir(parents=True)
+    for name, body in TRAINING.items():
+        (package / name).write_text(textwrap.dedent(body))
+    (package / "checkpointing.py").write_text(textwrap.dedent(PATCHED) if patched else "")
+    (tmp_path / "pretrain.py").write_text(textwrap.dedent(script))
+    return str(tmp_path / "pretrain.py")
+
+
+def _launch(*args, launcher=(sys.executable, "-m", "miles_plugins.launch"), cwd=REPO):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([*launcher, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_without_a_script_it_prints_its_usage_and_exits_2():
+    result = _launch()
+    assert result.returncode == 2
+    assert "usage: python -m miles_plugins.launch SCRIPT.py" in result.stderr
+
+
+def test_a_missing_script_is_refused_with_exit_2(tmp_path):
+    result = _launch(str(tmp_path / "nope.py"))
+    assert result.returncode == 2 and "no such script" in result.stderr
+
+
+def test_the_script_runs_unmodified_with_the_streaming_flags_on_megatrons_parser(tmp_path):
+    script = _tree(tmp_path)
+    result = _launch(script, "--mine", "y", "--stream-optimizer-state-tier", "host")
+    assert result.returncode == 0, result.stderr
+    assert f"argv0 {script} mine y tier host" in result.stdout
+    assert result.stdout.index("optimizer built") < result.stdout.index("training")
+
+
+def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_built(tmp_path):
+    """Megatron's parsed args reach setup_optimizer_state_streaming: here they lack
+    --use-distributed-optimizer, which it refuses, after the optimizer was built and
+    before training started."""
+    result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk")
+    assert result.returncode != 0
+    assert "--use-distributed-optimizer is off" in result.stderr
+    assert "optimizer built" in result.stdout and "training" not in result.stdout
+
+
+def test_an_unpatched_tree_is_refused_before_the_script_runs(tmp_path):
+    result = _launch(_tree(tmp_path, patched=False), "--stream-optimizer-state-to-disk")
+    assert result.returncode == 1
+    assert "lacks the optimizer-state checkpoint hooks" in result.stderr and "make apply-patches" in result.stderr
+    assert "argv0" not in result.stdout
+    # Without streaming the launcher does not care.
+    assert _launch(str(tmp_path / "pretrain.py")).returncode == 0
+
+
+def test_a_script_that_parses_its_own_arguments_is_refused(tmp_path):
+    script = _tree(
+        tmp_path,
+        script="""
+            import argparse
+            argparse.ArgumentParser().parse_known_args()
+            print("trained without megatron.training")
+        """,
+    )
+    result = _launch(script, "--stream-optimizer-state-to-disk")
+    assert result.returncode == 1
+    assert "never parsed its arguments through megatron.training.arguments.parse_args" in result.stderr
+
+
+def test_a_script_that_trains_with_an_optimizer_built_elsewhere_is_refused_when_training_starts(tmp_path):
+    script = _tree(
+        tmp_path,
+        script="""
+            from megatron.training import training
+            from megatron.training.arguments import parse_and_validate_args
+
+            parse_and_validate_args()
+            training.train(object())
+        """,
+    )
+    result = _launch(script, "--stream-optimizer-state-to-disk")
+    assert result.returncode == 1
+    assert "its training loop started without an optimizer built by megatron.training" in result.stderr
+    assert "training" not in result.stdout
+
+
+def test_the_scripts_exit_status_is_the_launchers(tmp_path):
+    assert _launch(_tree(tmp_path, script="import sys\nsys.exit(3)\n")).returncode == 3
+
+
+@pytest.mark.parametrize("nproc", [1])
+def test_it_runs_under_torchrun_as_a_module(tmp_path, nproc):
+    script = _tree(tmp_path)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone")
+    result = _launch("-m", "miles_plugins.launch", script, "--mine", "z", launcher=torchrun)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mine z tier disk" in result.stdout
