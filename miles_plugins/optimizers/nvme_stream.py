@@ -33,7 +33,7 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
     ``[]``. Otherwise it validates ``args`` (:func:`args.validate_args`: every
     unsupported setting refused at once, with its reason) and streams the state
     of every ``DistributedOptimizer`` in the chain under
-    ``<--offload-train-disk-dir>/rank<global rank>.opt<i>``.
+    ``<--offload-train-disk-dir>/optimizer_state/rank<global rank>.opt<i>``.
     """
     if not getattr(args, STREAM_FLAG, False):
         return []
