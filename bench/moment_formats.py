@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -63,15 +64,24 @@ def store_8bit(name: str, t: torch.Tensor) -> None:
         quant8.widen_in_place(t, *quant8.MOMENT_FORMATS[name])
 
 
+def _stored_as(signed_sqrt_scaling: Callable[[str], tuple[bool, bool, str]]) -> Callable[[str, torch.Tensor], None]:
+    """A variant that stores entries of a block or more through :func:`roundtrip`
+    (smaller ones stay fp32, as in the shipped format)."""
+
+    def store(name: str, t: torch.Tensor) -> None:
+        if quant8.quantizes(t.numel()):
+            t.copy_(roundtrip(t, *signed_sqrt_scaling(name)))
+
+    return store
+
+
 VARIANTS = {
     "fp32": None,
     "bf16": lambda name, t: t.copy_(t.bfloat16().float()),
     "8bit": store_8bit,
-    "8bit-direct-v": lambda name, t: (
-        t.copy_(roundtrip(t, name == "exp_avg", False, "block")) if quant8.quantizes(t.numel()) else None
-    ),
-    "8bit-tensorwise": lambda name, t: t.copy_(roundtrip(t, *quant8.MOMENT_FORMATS[name], "tensor")),
-    "8bit-unscaled": lambda name, t: t.copy_(roundtrip(t, *quant8.MOMENT_FORMATS[name], "none")),
+    "8bit-direct-v": _stored_as(lambda name: (name == "exp_avg", False, "block")),
+    "8bit-tensorwise": _stored_as(lambda name: (*quant8.MOMENT_FORMATS[name], "tensor")),
+    "8bit-unscaled": _stored_as(lambda name: (*quant8.MOMENT_FORMATS[name], "none")),
 }
 
 

@@ -28,9 +28,8 @@ fill is not worth quantizing, and an entry of one element has no room in its
 own storage for a code and a scale.
 
 Non-finite values poison their block: a NaN or inf anywhere in a block decodes
-as NaN or inf across it (fp32 storage would keep them to their elements).
-Megatron skips steps whose gradients are not finite, so its moments never hold
-them.
+as NaN or inf across it (fp32 storage would keep them to their elements; either
+way a non-finite gradient has already ruined that state).
 
 Both directions work chunk by chunk in the one order that never overwrites bytes
 still to be read (as ``convert.py``): narrowing front to back (chunk ``[s, e)``'s
@@ -42,6 +41,7 @@ front. The scales are collected in (or copied out to) a small tensor of
 from __future__ import annotations
 
 import functools
+import zlib
 
 import torch
 
@@ -55,15 +55,19 @@ assert CHUNK_ELEMENTS % BLOCK == 0, "a conversion chunk must hold whole blocks"
 
 # Per moment: (signed map, store the square root); see the module docstring.
 MOMENT_FORMATS = {"exp_avg": (True, False), "exp_avg_sq": (False, True)}
-# What a checkpoint records of this format; a load compares it, so a change to the
-# map, the block size or the moment formats cannot be misread as this one.
-FORMAT_ID = f"dynamic map, {BLOCK}-element blocks, fp32 absmax scales; exp_avg signed, sqrt(exp_avg_sq) unsigned"
 
 
 def dynamic_map(signed: bool) -> torch.Tensor:
     """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``:
     256 ascending values in [-1, 1] (signed) or [0, 1] (unsigned), 0 and 1 included.
-    Decade ``i`` below 1 gets half the values of decade ``i - 1``."""
+    Decade ``i`` below 1 gets half the values of decade ``i - 1``.
+
+    One change to the signed map: its most negative value is -1 (bitsandbytes
+    has -0.99297, and +1 only). With it, storing a stored moment again gives
+    the same bytes: a block's maximum, of either sign, decodes exactly to its
+    scale. Without it, a block whose maximum is negative shrinks by 0.7% each
+    time it is re-encoded: the moments of a param that gets no gradient (which
+    Adam leaves as they are) would decay step after step."""
     values = [0.0, 1.0]
     for i in range(7):
         items = 2 ** (i + (0 if signed else 1)) + 1
@@ -71,7 +75,19 @@ def dynamic_map(signed: bool) -> torch.Tensor:
         means = ((bounds[:-1] + bounds[1:]) / 2.0 * 10 ** (i - 6)).tolist()
         values += means + ([-m for m in means] if signed else [])
     assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
+    values.sort()
+    if signed:
+        values[0] = -1.0
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# What a checkpoint records of this format; a load compares it, so a change to the
+# maps (their bytes, hashed), the block size or the moment formats cannot be misread
+# as this one.
+FORMAT_ID = (
+    f"dynamic map (crc32 {zlib.crc32(dynamic_map(True).numpy().tobytes() + dynamic_map(False).numpy().tobytes()):08x}), "
+    f"{BLOCK}-element blocks, fp32 absmax scales; exp_avg signed, sqrt(exp_avg_sq) unsigned"
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,7 +121,7 @@ def quantize_chunk(x: torch.Tensor, signed: bool, sqrt: bool = False) -> tuple[t
     """Codes (uint8) and per-block scales (fp32) of the 1-D fp32 ``x`` (of its
     square root with ``sqrt``), blocks starting at ``x[0]``. New tensors: the
     caller places them. ``x`` is read before anything is returned. Scratch:
-    9 bytes per element of ``x``."""
+    9 bytes per element of ``x``, the 1-byte codes included."""
     values, midpoints = _tables(signed, x.device)
     n, blocks = x.numel(), -(-x.numel() // BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
@@ -153,6 +169,7 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
         # quantize_chunk reads the whole chunk before its codes are written over it.
         codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
         codes_out[s:e].copy_(codes)
+        del codes  # before the next chunk's scratch is allocated
     # Bytes [n, n + 4 * blocks) are fp32 elements [n / 4, ...): all read by now.
     scales_out.copy_(scales.view(torch.uint8))
 

@@ -57,7 +57,8 @@ def test_the_dynamic_maps_are_ascending_with_zero_and_one_and_seven_decades():
         assert 0.0 in values.tolist() and values[-1].item() == 1.0
         smallest = values[values > 0].min().item()
         assert 1e-7 < smallest < 1e-6, "about seven decades below the block maximum"
-    assert quant8.dynamic_map(True)[0].item() < -0.99 and quant8.dynamic_map(False)[0].item() == 0.0
+    # Symmetric ends: a block maximum of either sign decodes exactly to its scale.
+    assert quant8.dynamic_map(True)[0].item() == -1.0 and quant8.dynamic_map(False)[0].item() == 0.0
 
 
 def _nearest_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +74,11 @@ def _nearest_codes(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.T
     return torch.cat(codes).to(torch.uint8), torch.stack(scales).float()
 
 
+# The stored format, written out here rather than read from quant8.MOMENT_FORMATS:
+# exp_avg on the signed map; exp_avg_sq as its square root, on the unsigned map.
+SPECIFIED = {"exp_avg": (True, False), "exp_avg_sq": (False, True)}
+
+
 @pytest.mark.parametrize("numel", [256, 300, 1000, 4096 + 17])
 @pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
 def test_codes_are_the_nearest_map_value_of_each_blocks_scaled_values(numel, moment):
@@ -81,7 +87,8 @@ def test_codes_are_the_nearest_map_value_of_each_blocks_scaled_values(numel, mom
     x = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 3) * 1e-3
     if numel > quant8.BLOCK:
         x[: quant8.BLOCK] = 0
-    signed, sqrt = quant8.MOMENT_FORMATS[moment]
+    signed, sqrt = SPECIFIED[moment]
+    assert quant8.MOMENT_FORMATS[moment] == SPECIFIED[moment], "the stored format changed"
     if sqrt:
         x = x * x  # exp_avg_sq is non-negative; its square root is what gets coded
     codes, scales = quant8.quantize_chunk(x, signed, sqrt)
@@ -111,6 +118,76 @@ def test_in_place_narrowing_and_widening_match_the_out_of_place_codes_across_chu
         quant8.widen_in_place(t, signed, sqrt)
         expected = quant8.dequantize_chunk(codes, scales, signed)
         assert same_bytes(t, expected.square() if sqrt else expected), moment
+
+
+def test_storing_a_stored_moment_again_gives_the_same_bytes():
+    """A moment the step leaves alone (a param without a gradient) must not drift
+    as it is re-encoded every step; blocks with a negative maximum included."""
+    g = torch.Generator().manual_seed(3)
+    for moment, (signed, sqrt) in quant8.MOMENT_FORMATS.items():
+        for _ in range(50):
+            x = torch.randn(1000, generator=g) * torch.exp(torch.randn(1000, generator=g) * 3)
+            x[::256] = -x.abs().max() * 2  # every block's maximum negative (exp_avg)
+            x = x * x if sqrt else x
+            quant8.narrow_in_place(x, signed, sqrt)
+            first = x.view(torch.uint8)[: quant8.stored_nbytes(1000)].clone()
+            quant8.widen_in_place(x, signed, sqrt)
+            decoded = x.clone()
+            quant8.narrow_in_place(x, signed, sqrt)
+            assert torch.equal(x.view(torch.uint8)[: quant8.stored_nbytes(1000)], first), moment
+            quant8.widen_in_place(x, signed, sqrt)
+            assert same_bytes(x, decoded), moment
+
+
+def test_moments_of_a_param_without_gradients_stay_as_adam_left_them(tmp_path):
+    """torch's Adam skips params whose grad is None; the stored 8-bit moments of such
+    a param must come back byte-identical however many steps pass."""
+    model = torch.nn.ModuleList([torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)])
+    model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit", bucket_cap_elements=4096)
+    with StreamedOptimizer(optimizer, config) as streamed:
+        x = torch.randn(8, 64).to(torch.bfloat16)
+        model[1](model[0](x)).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        idle = model[1].weight
+        before = {id(p): (m.clone(), v.clone()) for p, _, m, v in streamed.iter_state()}[id(idle)]
+        for _ in range(30):
+            model[0](x).float().square().mean().backward()  # model[1] gets no gradient
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        after = {id(p): (m, v) for p, _, m, v in streamed.iter_state()}[id(idle)]
+        assert all(same_bytes(a, b) for a, b in zip(after, before, strict=True)), "idle moments drifted"
+
+
+def test_bucket_files_hold_codes_then_scales_at_the_layout_offsets(tmp_path):
+    """The on-disk format, read back from the file with this test's own decoding:
+    per entry, the codes, then the fp32 block scales; exp_avg_sq as its square root."""
+    model = torch.nn.Linear(40, 30).to(torch.bfloat16)  # weight 1200 elements (5 blocks), bias 30 (fp32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit")
+    with StreamedOptimizer(optimizer, config) as streamed:
+        for _ in range(2):  # the second step reads the first one's moments back
+            model(torch.randn(4, 40).to(torch.bfloat16)).float().sum().backward()
+            optimizer.step()
+        store = streamed.store
+        live = {index: (m, v) for index, _, m, v in store.iter_state()}
+        (bucket,) = store.buckets
+        raw = open(store._backing.path(bucket), "rb").read()
+        for k, index in enumerate(bucket.entry_indices):
+            for name, want in zip(("exp_avg", "exp_avg_sq"), live[index], strict=True):
+                segment, numel = bucket.segments[name], want.numel()
+                start = segment.entry_offsets[k]
+                stored = torch.frombuffer(bytearray(raw[start : start + segment.entry_nbytes[k]]), dtype=torch.uint8)
+                if numel < quant8.BLOCK:
+                    decoded = stored.view(torch.float32)
+                else:
+                    signed, sqrt = SPECIFIED[name]
+                    codes, scales = stored[:numel].long(), stored[numel:].view(torch.float32)
+                    decoded = quant8.dynamic_map(signed)[codes] * scales[torch.arange(numel) // quant8.BLOCK]
+                    decoded = decoded.square() if sqrt else decoded
+                assert same_bytes(decoded, want.reshape(-1)), f"{name} of a {numel}-element entry"
 
 
 def test_entries_below_one_block_are_stored_as_fp32_and_blocks_never_straddle_entries():
@@ -171,9 +248,7 @@ def test_8bit_moments_stream_exactly_as_a_plain_loop_storing_them_in_8bit(tmp_pa
     assert all(same_bytes(a, b) for a, b in zip(params, want_params, strict=True)), "params differ"
     for got, want in zip(state, want_state, strict=True):
         assert all(same_bytes(a, b) for a, b in zip(got, want, strict=True)), "mains or moments differ"
-    # The stored moments really are 8-bit: a weight entry's moment slice holds codes and scales.
-    weights = [n for b in streamed.store.buckets for n in b.numels if quant8.quantizes(n)]
-    assert weights, "some entries must be large enough to quantize"
+    assert any(quant8.quantizes(n) for b in streamed.store.buckets for n in b.numels), "nothing was quantized"
     streamed.close()
 
 
