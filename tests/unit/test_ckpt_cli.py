@@ -1,0 +1,96 @@
+"""``python -m miles_plugins.optimizers.ckpt inspect``: a real saved state, described and
+verified byte for byte; damaged ones are reported, each problem named, with exit 1."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_hooks.checkpoint import STATE_DIRNAME
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit.test_bad_input import REPO
+
+
+def _inspect(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "miles_plugins.optimizers.ckpt", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """An iteration directory as the Megatron hooks lay it out, with two ranks' stores."""
+    iteration = tmp_path / "iter_0000003"
+    for rank in range(2):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters())
+        config = StreamConfig(
+            directory=str(tmp_path / "scratch"), name=f"rank{rank}.opt0", moment_dtype="8bit", bucket_cap_elements=2048
+        )
+        with StreamedOptimizer(optimizer, config) as streamed:
+            for _ in range(3):
+                model(torch.randn(4, 64).to(torch.bfloat16)).float().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            streamed.save_to(str(iteration / STATE_DIRNAME))
+    return iteration
+
+
+def test_a_sound_checkpoint_is_described_and_verifies(checkpoint):
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("OK: every file's size and CRC-32 match") == 2
+    assert "step 3" in out and "moments 8bit (dynamic map" in out and "2 of 2 saved stores verify" in out
+    # One store alone, given directly, too.
+    assert _inspect("inspect", str(checkpoint / STATE_DIRNAME / "rank1.opt0")).returncode == 0
+
+
+def _bucket(checkpoint, rank=0):
+    store = checkpoint / STATE_DIRNAME / f"rank{rank}.opt0"
+    return store / sorted(n for n in os.listdir(store) if n.startswith("bucket_"))[0]
+
+
+def test_a_flipped_byte_is_reported_with_its_file_and_exit_1(checkpoint):
+    path = _bucket(checkpoint)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x40
+    path.write_bytes(bytes(data))
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1
+    assert f"PROBLEM: {path.name} fails its CRC-32" in result.stdout
+    assert "1 of 2 saved stores verify" in result.stdout
+
+
+def test_a_truncated_file_a_missing_file_and_an_edited_manifest_are_each_reported(checkpoint):
+    truncated = _bucket(checkpoint, 0)
+    truncated.write_bytes(truncated.read_bytes()[:-4096])
+    manifest = checkpoint / STATE_DIRNAME / "rank1.opt0" / MANIFEST_NAME
+    data = json.loads(manifest.read_text())
+    data["steps_taken"] = 4  # edited without its checksum
+    manifest.write_text(json.dumps(data))
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1
+    assert f"{truncated.name} has" in result.stdout and "(truncated?)" in result.stdout
+    assert "fails its own checksum" in result.stdout
+    _bucket(checkpoint, 0).unlink()
+    assert f"{truncated.name} is missing" in _inspect("inspect", str(checkpoint)).stdout
+
+
+def test_an_incomplete_save_and_an_empty_directory_are_problems(checkpoint, tmp_path):
+    (checkpoint / STATE_DIRNAME / "rank0.opt0" / MANIFEST_NAME).unlink()
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1 and "holds no manifest.json: the save that wrote it did not complete" in result.stdout
+    (tmp_path / "empty").mkdir()
+    result = _inspect("inspect", str(tmp_path / "empty"))
+    assert result.returncode == 1 and "no saved streamed optimizer state" in result.stderr
+
+
+def test_bad_usage_exits_2(tmp_path):
+    assert _inspect().returncode == 2
+    result = _inspect("inspect", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "is not a directory" in result.stderr
