@@ -1,7 +1,8 @@
 """Optimizer-step benchmark: every way of streaming the state, side by side in one run.
 
     python -m bench.optimizer_step [--params N] [--steps K] [--dir DIR] [--regimes constrained,roomy]
-                                   [--memory-max-gib G] [--out bench-results/optimizer_step.json]
+                                   [--memory-max-gib G] [--staging-mb 128 | 16,64,256]
+                                   [--out bench-results/optimizer_step.json]
 
 A synthetic model of N bf16 params (4096 x 4096 matrices, smaller for small N) with fp32 grads kept
 resident (as Megatron's grad buffer does) is stepped with AdamW in each *mode*,
@@ -21,6 +22,11 @@ Two regimes. *constrained*: the disk modes run inside a cgroup v2 whose
 regime these runs live in; needs root and the memory controller, else it is
 skipped with a note). *roomy*: no limit; buffered I/O is served from page
 cache, and the host tier is the answer there.
+
+``--staging-mb`` with several budgets runs every disk mode at each (the first
+keeps the mode's name, the others are ``<mode>@<budget>MiB``) and reports the
+step at the smallest budget over the step at the largest: what splitting a small
+budget among the I/O threads costs.
 
 The disk bound is measured first, in the same directory, with direct I/O
 (``bench/disk.py``). Per mode: step seconds (median of K steps after one
@@ -341,8 +347,8 @@ def _targets(regimes: dict) -> dict:
     split = {}
     for regime, results in regimes.items():
         by_mode: dict[str, dict[int, float]] = {}
-        for key, r in results.items():
-            if "@" in key and r.get("step_seconds"):
+        for r in results.values():
+            if r.get("staging_budget_mb") and r.get("step_seconds"):
                 by_mode.setdefault(r["mode"], {})[r["staging_budget_mb"]] = r["step_seconds"]
         for mode, steps in by_mode.items():
             if len(steps) > 1:
@@ -458,12 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.params / 1e9:.3g}B params, {state_bytes / 1e9:.3g} GB of fp32 state, on {args.device}", flush=True)
     print(f"measuring the disk under {args.dir} with direct I/O...", flush=True)
     try:
-        budgets = [int(mb) for mb in args.staging_mb.split(",") if mb]
-        StreamConfig(directory=args.dir, staging_budget_mb=min(budgets))
+        budgets = list(dict.fromkeys(int(mb) for mb in args.staging_mb.split(",") if mb))
+        configs = [StreamConfig(directory=args.dir, staging_budget_mb=mb, io_threads=args.io_threads) for mb in budgets]
     except (ValueError, StreamConfigError) as exc:
-        parser.error(f"--staging-mb {args.staging_mb!r}: {exc}")
-    chunk = StreamConfig(directory=args.dir, staging_budget_mb=budgets[0], io_threads=args.io_threads).staging_bytes
-    rates = disk.measure(args.dir, min(state_bytes, 4 << 30), chunk, args.io_threads)
+        parser.error(f"--staging-mb {args.staging_mb!r} / --io-threads {args.io_threads}: {exc}")
+    if not budgets:
+        parser.error("--staging-mb names no budget")
+    # The bound is measured once, with the first budget's requests.
+    chunk, threads = configs[0].staging_bytes, configs[0].transfer_threads
+    rates = disk.measure(args.dir, min(state_bytes, 4 << 30), chunk, threads)
     print(
         f"  reads {rates.read / 1e9:.2f} GB/s, writes {rates.write / 1e9:.2f} GB/s; both at once "
         f"{rates.mixed_read / 1e9:.2f} + {rates.mixed_write / 1e9:.2f} GB/s (direct I/O: {rates.direct})",
@@ -506,12 +515,14 @@ def main(argv: list[str] | None = None) -> int:
                 if why:
                     results[mode] = {"mode": mode, "skipped": why}
                     continue
-                streamed = MODES[mode] is not None
-                for mb in budgets if streamed else budgets[:1]:
-                    key = f"{mode}@{mb}MiB" if streamed and len(budgets) > 1 else mode
+                # Staging matters to the disk modes; the first budget's results keep the
+                # bare mode name (the targets read them), the others get "@<budget>MiB".
+                staged = mode.startswith(("sync", "pipelined"))
+                for mb in budgets if staged else budgets[:1]:
+                    key = mode if mb == budgets[0] else f"{mode}@{mb}MiB"
                     print(f"[{regime}] {key}...", flush=True)
                     results[key] = _child(mode, args, cgroup, mb)
-                    results[key]["staging_budget_mb"] = mb if streamed else None
+                    results[key]["staging_budget_mb"] = mb if MODES[mode] is not None else None
                     _derive(results[key], rates)
         finally:
             if cgroup:

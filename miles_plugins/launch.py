@@ -18,19 +18,30 @@ of Megatron-LM's training package are wrapped in memory (no patch hunks):
   :func:`setup_optimizer_state_streaming` turns streaming on (a no-op without
   ``--stream-optimizer-state-to-disk``), before ``load_checkpoint`` runs.
 
-Streaming still needs the checkpoint hooks of the patch series in the tree
-(``make apply-patches``): with the flag on, an unpatched tree is refused before
-the script starts. So is a script that trains without going through
-``megatron.training`` (checked when its training loop starts, and at its end).
+Nothing is imported ahead of the script: each module is wrapped right after
+its own code has run, when the script first imports it. Streaming still needs
+the checkpoint hooks of the patch series in the tree (``make apply-patches``):
+with ``--stream-optimizer-state-to-disk`` on the command line, the tree's
+``megatron.training.checkpointing`` is imported before the script starts to
+check them, and an unpatched tree is refused. Also refused: the flag given but
+dropped by Megatron's parsing (``--yaml-cfg`` replaces the command line);
+Megatron's training loop starting without an optimizer built through
+``setup_model_and_optimizer``; a script that never parses its arguments
+through ``megatron.training`` (when it ends). A script with its own training
+loop and its own optimizer is beyond the launcher: it should call
+:func:`setup_optimizer_state_streaming` itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import os
 import runpy
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 USAGE = """usage: python -m miles_plugins.launch SCRIPT.py [script args]
@@ -49,9 +60,11 @@ class LaunchError(RuntimeError):
 
 
 class _Hooks:
-    """What the wrapped Megatron names saw while the script ran."""
+    """What the wrapped Megatron names saw during this run of a script."""
 
-    def __init__(self) -> None:
+    def __init__(self, script_args: list[str]) -> None:
+        self.flag_given = STREAM_FLAG in script_args
+        self.parse_called = False
         self.parsed: argparse.Namespace | None = None
         self.optimizers = 0
 
@@ -59,109 +72,166 @@ class _Hooks:
     def streaming(self) -> bool:
         return bool(getattr(self.parsed, "stream_optimizer_state_to_disk", False))
 
-    def install(self) -> None:
-        import megatron.training.arguments as arguments
-        import megatron.training.training as training
 
-        original_parse = arguments.parse_args
-        self._rebind("parse_args", original_parse, self._wrap_parse(original_parse))
-        original_build = training.get_megatron_optimizer
-        training.get_megatron_optimizer = self._wrap_build(original_build)
-        training.train = self._wrap_train(training.train)
+# The run in progress: the wrappers report to it (installed once per process, they
+# serve every run of it).
+_current = _Hooks([])
 
-    @staticmethod
-    def _rebind(name: str, original: Callable, wrapper: Callable) -> None:
-        """Replace ``original`` under ``name`` in every loaded ``megatron.training`` module
-        that holds it (older trees import ``parse_args`` by name into ``initialize``)."""
-        for module_name, module in list(sys.modules.items()):
-            if module_name.startswith("megatron.training") and getattr(module, name, None) is original:
-                setattr(module, name, wrapper)
 
-    def _wrap_parse(self, original: Callable) -> Callable:
+def install() -> None:
+    """Wrap the Megatron names. The modules are not imported here: the script
+    imports them when it would anyway, and each is wrapped right after its code
+    has run (see :class:`_AfterImport`), or at once when it was imported already."""
+    callbacks = {"megatron.training.arguments": _hook_arguments, "megatron.training.training": _hook_training}
+    pending = {}
+    for name, callback in callbacks.items():
+        if name in sys.modules:
+            callback(sys.modules[name])
+        else:
+            pending[name] = callback
+    if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(pending))
+
+
+def _hook_arguments(arguments: ModuleType) -> None:
+    arguments.parse_args = _mark(_wrap_parse(arguments.parse_args), arguments.parse_args)
+
+
+def _hook_training(training: ModuleType) -> None:
+    training.get_megatron_optimizer = _mark(
+        _wrap_build(training.get_megatron_optimizer), training.get_megatron_optimizer
+    )
+    training.train = _mark(_wrap_train(training.train), training.train)
+
+
+def _wrap_parse(original: Callable) -> Callable:
+    def parse_args(extra_args_provider=None, *args: Any, **kwargs: Any) -> argparse.Namespace:
         from miles_plugins.optimizers.args import add_arguments
 
-        def parse_args(extra_args_provider=None, *args: Any, **kwargs: Any) -> argparse.Namespace:
-            def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-                if extra_args_provider is not None:
-                    parser = extra_args_provider(parser)
-                return add_arguments(parser)
+        def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_arguments(parser)
 
-            self.parsed = original(provider, *args, **kwargs)
-            return self.parsed
+        hooks = _current
+        hooks.parse_called = True
+        hooks.parsed = original(provider, *args, **kwargs)
+        if hooks.flag_given and not hooks.streaming:
+            raise LaunchError(
+                f"{STREAM_FLAG} is on the command line, but Megatron's parsed arguments have it off: "
+                "--yaml-cfg replaces the command line with the file's arguments; set "
+                "stream_optimizer_state_to_disk (and the other streaming settings) in the yaml"
+            )
+        return hooks.parsed
 
-        return parse_args
+    return parse_args
 
-    def _wrap_build(self, original: Callable) -> Callable:
+
+def _wrap_build(original: Callable) -> Callable:
+    def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
         from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
 
-        def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
-            from megatron.training import get_args
+        optimizer = original(*args, **kwargs)
+        setup_optimizer_state_streaming(get_args(), optimizer)
+        _current.optimizers += 1
+        return optimizer
 
-            optimizer = original(*args, **kwargs)
-            setup_optimizer_state_streaming(get_args(), optimizer)
-            self.optimizers += 1
-            return optimizer
+    return get_megatron_optimizer
 
-        return get_megatron_optimizer
 
-    def _wrap_train(self, original: Callable) -> Callable:
-        def train(*args: Any, **kwargs: Any) -> Any:
-            self.check_set_up("its training loop started")
-            return original(*args, **kwargs)
-
-        return train
-
-    def check_set_up(self, when: str) -> None:
-        """Refuse a run that asked for streaming but whose optimizer never went
-        through ``setup_model_and_optimizer``: it would train with the state resident."""
-        if self.streaming and not self.optimizers:
+def _wrap_train(original: Callable) -> Callable:
+    def train(*args: Any, **kwargs: Any) -> Any:
+        if _current.streaming and not _current.optimizers:
             raise LaunchError(
-                f"{STREAM_FLAG} is on, but {when} without an optimizer built by megatron.training's "
-                "setup_model_and_optimizer (get_megatron_optimizer), so nothing streams. The launcher serves "
-                "scripts that train through megatron.training.pretrain; elsewhere call "
-                "setup_optimizer_state_streaming(args, optimizer) right after building the optimizer"
+                f"{STREAM_FLAG} is on, but the training loop started without an optimizer built by "
+                "megatron.training's setup_model_and_optimizer (get_megatron_optimizer), so nothing would "
+                "stream. The launcher serves scripts that train through megatron.training.pretrain; "
+                "elsewhere call setup_optimizer_state_streaming(args, optimizer) right after building "
+                "the optimizer"
             )
+        return original(*args, **kwargs)
+
+    return train
 
 
-def _import_megatron_training(script: str) -> None:
-    try:
-        import megatron.training.arguments  # noqa: F401
-        import megatron.training.training  # noqa: F401
-    except ImportError as exc:
-        raise LaunchError(
-            f"cannot import Megatron-LM's training package ({exc}): run {script} from a Megatron-LM checkout "
-            "(the launcher puts the script's directory first on sys.path, as python does) or put one on "
-            "PYTHONPATH"
-        ) from exc
+def _mark(wrapper: Callable, original: Callable) -> Callable:
+    """``wrapper``, unless ``original`` is one already (a second run in one process)."""
+    if getattr(original, "_miles_launch", False):
+        return original
+    wrapper._miles_launch = True  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``callbacks[name](module)`` right after module ``name``'s code has run:
+    the module is complete, and nothing has imported names from it yet."""
+
+    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.callbacks = callbacks
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        callback = self.callbacks.get(name)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                del self.callbacks[name]
+                spec.loader = _CallbackLoader(spec.loader, callback)
+                return spec
+        return None
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """``loader``, with ``callback(module)`` after it executed the module."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
+        return getattr(self._loader, name)
 
 
 def run(script: str, script_args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``script_args``, hooks installed."""
     from megatron_hooks.checkpoint import HooksNotInstalledError, check_patched
 
-    # As `python SCRIPT.py`: the script's directory, not the working directory, comes first.
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    _import_megatron_training(script)
-    if STREAM_FLAG in script_args:
+    # As `python SCRIPT.py`: the script's real directory, not the working directory, comes first.
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    global _current
+    hooks = _current = _Hooks(script_args)
+    install()
+    if hooks.flag_given:
+        # Before the script spends minutes building its model: an unpatched tree
+        # would save checkpoints without the streamed state.
         try:
             check_patched()
         except HooksNotInstalledError as exc:
             raise LaunchError(str(exc)) from exc
-    hooks = _Hooks()
-    hooks.install()
     sys.argv = [script, *script_args]
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
-    if STREAM_FLAG in script_args and hooks.parsed is None:
+    if hooks.flag_given and not hooks.parse_called:
         raise LaunchError(
             f"{script} never parsed its arguments through megatron.training.arguments.parse_args, so "
             f"{STREAM_FLAG} was never seen and nothing streamed. The launcher serves scripts that go through "
             "megatron.training (pretrain_gpt.py and its siblings)"
         )
-    hooks.check_set_up(f"{script} finished")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hooks.contract import STORE_ATTR
+from miles_plugins.optimizers import scratch
 from miles_plugins.optimizers.config import (
     DEFAULT_BUCKET_CAP_ELEMENTS,
     DEFAULT_BUCKETS_IN_FLIGHT,
@@ -39,7 +40,7 @@ STREAM_FLAG = "stream_optimizer_state_to_disk"
 # one directory per node-local disk for both of miles' disk mechanisms, each in its
 # own subdirectory. The streamed state's is STATE_SUBDIR, with a scratch per rank in it.
 DEFAULT_DIR_NAME = "miles_train_offload"
-STATE_SUBDIR = "optimizer_state"
+STATE_SUBDIR = scratch.STATE_SUBDIR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -341,20 +342,26 @@ def refusals_of_optimizer(dist_opt: Any) -> list[str]:
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    """Refuse settings streaming cannot work with (all at once); fill the default directory.
+    """Refuse settings streaming cannot work with, all at once, its own settings
+    (moment dtype, staging budget, ...) included; fill the default directory.
 
     Does nothing when ``--stream-optimizer-state-to-disk`` is off.
     """
     if not _get(args, STREAM_FLAG, False):
         return
     reasons = refusals_of_args(args)
-    chunk = _get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB)
-    if not isinstance(chunk, int) or chunk <= 0:
-        reasons.append(f"--offload-train-disk-chunk-mb is {chunk!r}: it must be a positive number of MiB")
-    if reasons:
-        raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
+    budget = _get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        reasons.append(f"--offload-train-disk-chunk-mb is {budget!r}: it must be a positive number of MiB")
     if not _get(args, "offload_train_disk_dir"):
         args.offload_train_disk_dir = default_directory()
+    if not reasons:  # the settings themselves (moment dtype, staging budget, ...), as the store will check them
+        try:
+            config_from_args(args, name="rank0")
+        except StreamConfigError as exc:
+            reasons.append(str(exc))
+    if reasons:
+        raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
 
 
 def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
+from miles_plugins.optimizers import scratch
 from miles_plugins.optimizers.args import STREAM_FLAG, config_from_args, validate_args
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.megatron import MegatronBinding, attach
@@ -38,7 +40,24 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
     if not getattr(args, STREAM_FLAG, False):
         return []
     validate_args(args)
-    return stream_optimizer_state(optimizer, config_from_args(args, name=f"rank{_global_rank()}"))
+    name = f"rank{_global_rank()}"
+    _purge_previous_layout(args.offload_train_disk_dir, name)
+    return stream_optimizer_state(optimizer, config_from_args(args, name=name))
+
+
+def _purge_previous_layout(directory: str, name: str) -> None:
+    """Versions before the ``optimizer_state/`` subdirectory kept each rank's scratch
+    directly in ``--offload-train-disk-dir``: remove what a killed run of this rank
+    left there (unheld, marked and owned only, as the purge command does)."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return
+    try:
+        removed, _ = scratch.purge(directory, prefix=f"{name}.")
+    except OSError as exc:
+        logger.warning("could not check %s for scratch of an earlier version: %s", directory, exc)
+        return
+    for line in removed:
+        logger.warning("scratch of an earlier version (before the optimizer_state/ subdirectory): %s", line)
 
 
 def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:

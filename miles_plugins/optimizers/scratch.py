@@ -14,7 +14,7 @@ way schedulers stop jobs): see :func:`_on_sigterm`. What a SIGKILL leaves is
 reclaimed by the next run of the same rank, or by the purge command a job
 epilog can run::
 
-    python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]
+    python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]   (DIR/optimizer_state too)
 
 It removes only scratch whose lock no process holds, owned by the caller,
 never following symlinks, and says what it removed. No torch is imported.
@@ -53,6 +53,9 @@ RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 # Written into every lock file: the purge command removes only scratch whose
 # lock file says it is one (a stray ".x.lock" beside a directory "x" is not).
 LOCK_MARKER = b"miles optimizer-state scratch lock\n"
+# The subdirectory of an --offload-train-disk-dir the store's scratch lives in
+# (``args.STATE_SUBDIR``; named here too, since this module imports no torch).
+STATE_SUBDIR = "optimizer_state"
 
 
 class ScratchDir:
@@ -262,15 +265,18 @@ def _on_sigterm(signum: int, frame) -> None:
 # ---- the purge command ---------------------------------------------------------------
 
 
-def purge(directory: str) -> tuple[list[str], list[str]]:
-    """Remove the stale scratch under ``directory``: each ``<name>`` whose marked lock
-    file ``.<name>.lock`` no process holds and which the caller owns. Returns
-    (lines saying what was removed, lines saying what was skipped and why)."""
+def purge(directory: str, prefix: str = "") -> tuple[list[str], list[str]]:
+    """Remove the stale scratch under ``directory``: each ``<name>`` (starting with
+    ``prefix``) whose marked lock file ``.<name>.lock`` no process holds and which
+    the caller owns. Returns (lines saying what was removed, lines saying what was
+    skipped and why)."""
     removed, skipped = [], []
     for entry in sorted(os.listdir(directory)):
         if not (entry.startswith(".") and entry.endswith(".lock")) or len(entry) <= len("..lock"):
             continue
         name = entry[1:-5]
+        if not name.startswith(prefix):
+            continue
         lock, path = os.path.join(directory, entry), os.path.join(directory, name)
         try:
             fd = open_file(lock, os.O_RDWR)
@@ -337,10 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     purge_parser = commands.add_parser(
         "purge", help="remove stale scratch (lock not held, owned by you) under each DIR; symlinks are never followed"
     )
-    purge_parser.add_argument("directories", nargs="+", metavar="DIR", help="an --offload-train-disk-dir")
+    purge_parser.add_argument(
+        "directories",
+        nargs="+",
+        metavar="DIR",
+        help="an --offload-train-disk-dir (its optimizer_state/ subdirectory, where the store lives, is purged too)",
+    )
     args = parser.parse_args(argv)
     status = 0
+    directories = []
     for directory in args.directories:
+        directories.append(directory)
+        if os.path.isdir(os.path.join(directory, STATE_SUBDIR)) and not os.path.islink(
+            os.path.join(directory, STATE_SUBDIR)
+        ):
+            directories.append(os.path.join(directory, STATE_SUBDIR))
+    for directory in directories:
         if not os.path.lexists(directory):
             print(f"nothing to purge: {directory} does not exist")  # no rank ever ran on this node
             continue

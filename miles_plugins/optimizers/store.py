@@ -460,7 +460,7 @@ def _log_setup(store: StreamingStore) -> None:
     logger.info(
         "optimizer state streams through %s (%s engine%s): %d buckets, %.2f GB stored, %.2f GB "
         "materialized state total, largest bucket %.2f GB, %d in flight; %d fp32 params resident; "
-        "host staging %d MiB (%s)",
+        "host staging %g MiB (%s)",
         store.location,
         config.engine,
         ", direct I/O" if getattr(store._backing, "direct", False) else "",
@@ -470,7 +470,7 @@ def _log_setup(store: StreamingStore) -> None:
         store.bucket_bytes_max / 1e9,
         config.depth,
         len(store._resident_entries),
-        config.staging_bytes_total >> 20,
+        round(config.staging_bytes_total / 2**20, 2),
         f"{2 * config.transfer_threads} chunks of {config.staging_bytes / 2**20:g} MiB"
         if config.pipelined
         else "one chunk",

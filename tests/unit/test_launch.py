@@ -42,12 +42,16 @@ TRAINING = {
             return args
 
         def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-            parser = argparse.ArgumentParser()
+            parser = argparse.ArgumentParser(allow_abbrev=False)
             parser.add_argument("--use-distributed-optimizer", action="store_true")
             parser.add_argument("--train-iters", type=int, default=1)
+            parser.add_argument("--yaml-cfg")
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
-            return parser.parse_args()
+            args = parser.parse_args()
+            if args.yaml_cfg:  # as Megatron: the file's arguments replace the command line's
+                args = argparse.Namespace(yaml_cfg=args.yaml_cfg, use_distributed_optimizer=True, train_iters=1)
+            return args
     """,
     "training.py": """
         def get_megatron_optimizer(config, model_chunks):
@@ -163,7 +167,7 @@ def test_a_script_that_trains_with_an_optimizer_built_elsewhere_is_refused_when_
     )
     result = _launch(script, "--stream-optimizer-state-to-disk")
     assert result.returncode == 1
-    assert "its training loop started without an optimizer built by megatron.training" in result.stderr
+    assert "the training loop started without an optimizer built by megatron.training" in result.stderr
     assert "training" not in result.stdout
 
 
@@ -178,3 +182,63 @@ def test_it_runs_under_torchrun_as_a_module(tmp_path, nproc):
     result = _launch("-m", "miles_plugins.launch", script, "--mine", "z", launcher=torchrun)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mine z tier disk" in result.stdout
+
+
+def test_a_symlinked_script_finds_the_tree_beside_its_real_file(tmp_path):
+    """As python does: the script's real directory goes first on sys.path."""
+    script = _tree(tmp_path / "tree")
+    (tmp_path / "jobs").mkdir()
+    link = tmp_path / "jobs" / "pretrain.py"
+    link.symlink_to(script)
+    result = _launch(str(link), "--mine", "q")
+    assert result.returncode == 0, result.stderr
+    assert "mine q" in result.stdout
+
+
+def test_help_and_runs_that_build_no_optimizer_exit_cleanly(tmp_path):
+    script = _tree(tmp_path)
+    result = _launch(script, "--stream-optimizer-state-to-disk", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--stream-optimizer-state-tier" in result.stdout, "the streaming flags are in Megatron's help"
+    evaluate_only = _tree(
+        tmp_path / "eval",
+        script="""
+            from megatron.training.arguments import parse_and_validate_args
+            parse_and_validate_args()
+            print("evaluated")
+        """,
+    )
+    result = _launch(evaluate_only, "--stream-optimizer-state-to-disk")
+    assert result.returncode == 0 and "evaluated" in result.stdout, result.stderr
+
+
+def test_a_flag_megatrons_parsing_drops_is_refused(tmp_path):
+    result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk", "--yaml-cfg", "run.yaml")
+    assert result.returncode == 1
+    assert "--yaml-cfg replaces the command line" in result.stderr and "training" not in result.stdout
+
+
+def test_nothing_is_imported_ahead_of_the_script_and_a_second_run_wraps_nothing_twice(tmp_path):
+    script = _tree(
+        tmp_path,
+        script="""
+            import sys
+            print("imported before the script:", "megatron.training.training" in sys.modules)
+            from megatron.training import training
+            from megatron.training.arguments import parse_and_validate_args
+            parse_and_validate_args()
+            build = training.get_megatron_optimizer
+            print("wrapped once:", not getattr(build.__wrapped__, "_miles_launch", False))
+            training.pretrain()
+        """,
+    )
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        f"import sys\nfrom miles_plugins import launch\nlaunch.run({script!r}, [])\nlaunch.run({script!r}, [])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("imported before the script: False") == 1  # the second run finds them imported
+    assert result.stdout.count("wrapped once: True") == 2
+    assert result.stdout.count("optimizer built") == 2

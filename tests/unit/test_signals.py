@@ -175,3 +175,27 @@ def test_a_forked_child_never_removes_its_parents_scratch(tmp_path):
     assert sorted(os.listdir(tmp_path / "rank0")) == files and (tmp_path / ".rank0.lock").exists()
     streamed.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_purge_of_an_offload_dir_covers_the_stores_subdirectory(tmp_path):
+    """The store lives in <--offload-train-disk-dir>/optimizer_state/: an epilog that
+    purges the offload dir it knows reaches it too."""
+    _stale_scratch(tmp_path / "optimizer_state", "rank0.opt0")
+    result = _purge(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"removed {tmp_path / 'optimizer_state' / 'rank0.opt0'} (3 files" in result.stdout
+    assert not (tmp_path / "optimizer_state" / "rank0.opt0").exists()
+
+
+def test_setup_removes_this_ranks_scratch_of_the_layout_before_the_subdirectory(tmp_path, caplog):
+    """Earlier versions kept <dir>/rank<k>.opt<i> directly in the offload dir; a killed
+    run's leftovers there are this rank's to reclaim (other ranks' are left to them)."""
+    from miles_plugins.optimizers.nvme_stream import _purge_previous_layout
+
+    _stale_scratch(tmp_path, "rank0.opt0")
+    _stale_scratch(tmp_path, "rank1.opt0")
+    with caplog.at_level("WARNING"):
+        _purge_previous_layout(str(tmp_path), "rank0")
+    assert not (tmp_path / "rank0.opt0").exists() and (tmp_path / "rank1.opt0").is_dir()
+    assert any("scratch of an earlier version" in r.getMessage() for r in caplog.records)
+    _purge_previous_layout(str(tmp_path / "missing"), "rank0")  # nothing there: nothing to do
