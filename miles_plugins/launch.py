@@ -83,14 +83,16 @@ def install() -> None:
     imports them when it would anyway, and each is wrapped right after its code
     has run (see :class:`_AfterImport`), or at once when it was imported already."""
     callbacks = {"megatron.training.arguments": _hook_arguments, "megatron.training.training": _hook_training}
-    pending = {}
     for name, callback in callbacks.items():
         if name in sys.modules:
             callback(sys.modules[name])
         else:
-            pending[name] = callback
-    if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(pending))
+            _finder.callbacks[name] = callback
+    if _finder.callbacks and _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+_finder: _AfterImport  # the launcher's own, defined below
 
 
 def _hook_arguments(arguments: ModuleType) -> None:
@@ -171,20 +173,28 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
         self.callbacks = callbacks
+        self._searching: set[str] = set()  # another such finder asks all the others, this one too
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         callback = self.callbacks.get(name)
-        if callback is None:
+        if callback is None or name in self._searching:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                del self.callbacks[name]
-                spec.loader = _CallbackLoader(spec.loader, callback)
-                return spec
-        return None
+        self._searching.add(name)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None and spec.loader is not None:
+                    del self.callbacks[name]
+                    spec.loader = _CallbackLoader(spec.loader, callback)
+                    return spec
+            return None
+        finally:
+            self._searching.discard(name)
+
+
+_finder = _AfterImport({})
 
 
 class _CallbackLoader(importlib.abc.Loader):

@@ -29,20 +29,19 @@ def _params_hash(model) -> str:
     return digest.hexdigest()
 
 
-def install(out: str) -> None:
-    import megatron.training.training as training
-
+def _record_each_step(training, out: str) -> None:
     original = training.train_step
 
     def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
         result = original(forward_step_func, data_iterator, model, *args, **kwargs)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            losses = {k: float(v).hex() for k, v in result[0].items()}
+            record = {
+                "iteration": kwargs.get("iteration"),
+                "losses": {k: float(v).hex() for k, v in result[0].items()},
+                "params": _params_hash(model),
+            }
             with open(out, "a") as f:
-                f.write(
-                    json.dumps({"iteration": kwargs.get("iteration"), "losses": losses, "params": _params_hash(model)})
-                    + "\n"
-                )
+                f.write(json.dumps(record) + "\n")
         return result
 
     training.train_step = train_step
@@ -51,11 +50,12 @@ def install(out: str) -> None:
 def main() -> int:
     from miles_plugins import launch
 
-    argv = sys.argv[1:]
-    if argv and os.path.isfile(argv[0]):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        install(os.environ["PRETRAIN_PROBE_OUT"])
-    return launch.main(argv)
+    out = os.environ["PRETRAIN_PROBE_OUT"]
+    # Wrapped when the script imports it, as the launcher wraps its names: nothing
+    # is imported ahead of the script here either.
+    recorder = launch._AfterImport({"megatron.training.training": lambda m: _record_each_step(m, out)})
+    sys.meta_path.insert(0, recorder)
+    return launch.main(sys.argv[1:])
 
 
 if __name__ == "__main__":

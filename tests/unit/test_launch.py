@@ -242,3 +242,19 @@ def test_nothing_is_imported_ahead_of_the_script_and_a_second_run_wraps_nothing_
     assert result.stdout.count("imported before the script: False") == 1  # the second run finds them imported
     assert result.stdout.count("wrapped once: True") == 2
     assert result.stdout.count("optimizer built") == 2
+
+
+def test_another_after_import_hook_on_the_same_module_coexists(tmp_path):
+    """A second finder of the same kind (a test probe's, a profiler's) wraps the same
+    module: both run, neither recurses into the other."""
+    script = _tree(tmp_path)
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\nfrom miles_plugins import launch\n"
+        "sys.meta_path.insert(0, launch._AfterImport({'megatron.training.training': lambda m: print('other hook')}))\n"
+        f"raise SystemExit(launch.main([{script!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "other hook" in result.stdout and "optimizer built" in result.stdout
