@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import sys
+import weakref
 from typing import Any
 
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
@@ -97,7 +98,11 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
         )
         return
     directory = state_dir(checkpoint_name, ckpt_type)
+    saving = _iteration_of(iteration_dir(checkpoint_name, ckpt_type))
     for store in stores:
+        resumed = _resumed.get(store)
+        if resumed is not None and saving is not None and saving != resumed[0]:
+            raise RuntimeError(_continuation_error(*resumed, saving))
         store.save_to(directory)
 
 
@@ -108,14 +113,66 @@ def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
     optimizer's state dict (the same conditions it applies to all optimizer
     state: ``--no-load-optim``, ``--finetune``, a release checkpoint), the store
     must find its state here or refuse; otherwise it keeps the mains Megatron
-    rebuilt from the loaded params and starts its moments fresh.
+    rebuilt from the loaded params and starts its moments fresh. A store that
+    loaded state then checks that the run continues from the iteration the
+    state belongs to (:func:`_expect_continuation`).
     """
     stores = stores_of(optimizer)
     if not stores:
         return
     directory = state_dir(checkpoint_name, ckpt_type)
     for store in stores:
-        store.load_from(directory)
+        if store.load_from(directory):
+            _expect_continuation(args, store, iteration_dir(checkpoint_name, ckpt_type))
+
+
+# Stores loaded from a checkpoint that have not stepped since -> (the iteration
+# their state belongs to, its directory).
+_resumed: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _iteration_of(directory: str) -> int | None:
+    """The iteration an ``iter_XXXXXXX`` directory holds; None for ``release``."""
+    name = os.path.basename(directory)
+    return int(name[len("iter_") :]) if name.startswith("iter_") else None
+
+
+def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) -> None:
+    """Refuse to go on from an iteration other than the one the loaded state belongs to.
+
+    ``load_checkpoint`` returns the iteration the run counts from; the streamed
+    state comes from the directory the hook was given. They can differ: the
+    legacy format with the distributed optimizer re-reads
+    ``latest_checkpointed_iteration.txt`` and so ignores ``--ckpt-step``
+    (core_v0.19.0), loading params and the streamed state from the asked
+    iteration while counting from the latest. The next step checks Megatron's
+    ``args.iteration`` (set from ``load_checkpoint``, not advanced by the
+    training loop); a save before any step checks the iteration it saves.
+    ``--override-ckpt-iteration`` asks for exactly that difference, and is let through.
+    """
+    loaded = _iteration_of(directory)
+    if loaded is None or getattr(args, "override_ckpt_iteration", None) is not None:
+        return
+    _resumed[store] = (loaded, directory)
+
+    def check() -> None:
+        current = getattr(args, "iteration", None)
+        if current is not None and current != loaded:
+            raise RuntimeError(_continuation_error(loaded, directory, current))
+        _resumed.pop(store, None)
+
+    store.before_next_step(check)
+
+
+def _continuation_error(loaded: int, directory: str, current: int) -> str:
+    return (
+        f"the streamed optimizer state was loaded from iteration {loaded} ({directory}), but Megatron continues "
+        f"from iteration {current}: the optimizer state, and the params loaded with it, do not belong to the "
+        "iteration this run counts from. With --ckpt-format torch and the distributed optimizer, Megatron "
+        "ignores --ckpt-step for its iteration (it re-reads the latest checkpointed iteration); use "
+        "--ckpt-format torch_dist, load the latest iteration, or --override-ckpt-iteration to count from "
+        "another one on purpose"
+    )
 
 
 def check_patched() -> None:

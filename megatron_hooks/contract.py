@@ -42,6 +42,9 @@ class OptimizerStateStore(Protocol):
         Restore the state saved by ``save_to``. Returns ``False`` when
         ``base_dir`` holds no streamed state for this store; raises when it holds
         state that does not match this store.
+    ``before_next_step(check)``
+        Call ``check()`` before the next step runs; an exception it raises
+        refuses the step (and ``check`` runs again before the one after).
     """
 
     def step(self) -> Any: ...
@@ -51,3 +54,5 @@ class OptimizerStateStore(Protocol):
     def save_to(self, base_dir: str) -> None: ...
 
     def load_from(self, base_dir: str) -> bool: ...
+
+    def before_next_step(self, check: Callable[[], None]) -> None: ...

@@ -188,6 +188,9 @@ class MegatronBinding:
         """Start reading the next step's first buckets (``StreamingStore.prefetch``)."""
         self.store.prefetch()
 
+    def before_next_step(self, check) -> None:
+        self.store.before_next_step(check)
+
     def save_to(self, base_dir: str) -> None:
         self.store.save_to(base_dir)
 

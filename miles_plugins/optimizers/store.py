@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -118,6 +118,8 @@ class StreamingStore:
         self.last_step = StepStats()
         self.total = StepStats()
         self.steps_taken = 0
+        # Checks the next step must pass first (before_next_step).
+        self._step_checks: list[Callable[[], None]] = []
 
         streamed = _streamed_entries(self.entries, config)
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
@@ -210,6 +212,10 @@ class StreamingStore:
 
     # ---- the contract --------------------------------------------------------
 
+    def before_next_step(self, check: Callable[[], None]) -> None:
+        """Run ``check()`` before the next step; while it raises, no step runs."""
+        self._step_checks.append(check)
+
     @torch.no_grad()
     def step(self) -> StepStats:
         """One optimizer step over all state; returns what it moved (also in ``last_step``).
@@ -225,6 +231,9 @@ class StreamingStore:
         overwrote; transfers hung) the store refuses to step again.
         """
         self._check_open()
+        while self._step_checks:
+            self._step_checks[0]()  # raises to refuse the step; the check then stays armed
+            self._step_checks.pop(0)
         start = time.perf_counter()
         stats = StepStats()
         blocker = self._rollback_blocker

@@ -129,3 +129,56 @@ def test_check_patched_refuses_a_tree_it_cannot_trust(monkeypatch, attrs, messag
 def test_check_patched_accepts_a_tree_patched_for_this_abi(monkeypatch):
     _checkpointing(monkeypatch, **{hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: hooks})
     hooks.check_patched()
+
+
+def _loaded_at(tmp_path, iteration_name, **args):
+    """A store saved into ``iteration_name`` and loaded back through the hooks with ``args``."""
+    param, front, holder = streamed(tmp_path, "rank0.opt0", 0)
+    name = str(tmp_path / "ckpt" / iteration_name)
+    hooks.save(types.SimpleNamespace(no_save_optim=False), holder, name, "GLOBAL")
+    hooks.load(types.SimpleNamespace(**args), holder, name, "GLOBAL")
+    param.grad = torch.randn_like(param)
+    return front, holder
+
+
+def test_a_run_counting_from_another_iteration_than_its_loaded_state_is_refused(tmp_path):
+    """Megatron's legacy format with the distributed optimizer counts from the latest
+    checkpointed iteration even under --ckpt-step, while the params and the streamed
+    state come from the asked one: the next step refuses, naming both."""
+    front, _ = _loaded_at(tmp_path, "iter_0000010", iteration=20)
+    with pytest.raises(
+        RuntimeError, match=r"loaded from iteration 10 \(.*iter_0000010\), but Megatron continues from iteration 20"
+    ):
+        front.step()
+    assert front.store.steps_taken == 1, "the refused step did not run"
+    with pytest.raises(RuntimeError, match="continues from iteration 20"):
+        front.step()  # still armed
+    front.close()
+
+
+@pytest.mark.parametrize(
+    "iteration_name, args",
+    [
+        ("iter_0000010", dict(iteration=10)),
+        ("iter_0000010", dict(iteration=20, override_ckpt_iteration=20)),  # asked for on purpose
+        ("release", dict(iteration=0)),
+    ],
+    ids=["same-iteration", "override-ckpt-iteration", "release"],
+)
+def test_a_run_continuing_where_its_state_belongs_steps(tmp_path, iteration_name, args):
+    front, _ = _loaded_at(tmp_path, iteration_name, **args)
+    front.step()
+    assert front.store.steps_taken == 2
+    front.close()
+
+
+def test_a_save_before_any_step_must_be_of_the_loaded_iteration(tmp_path):
+    """The other face of the same mismatch: the run ends at once (its counter is past
+    --train-iters) and saves; the state would be filed under the wrong iteration."""
+    front, holder = _loaded_at(tmp_path, "iter_0000010", iteration=20)
+    with pytest.raises(RuntimeError, match="loaded from iteration 10 .* continues from iteration 20"):
+        hooks.save(
+            types.SimpleNamespace(no_save_optim=False), holder, str(tmp_path / "ckpt" / "iter_0000020"), "GLOBAL"
+        )
+    hooks.save(types.SimpleNamespace(no_save_optim=False), holder, str(tmp_path / "ckpt" / "iter_0000010"), "GLOBAL")
+    front.close()
