@@ -98,11 +98,9 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
         )
         return
     directory = state_dir(checkpoint_name, ckpt_type)
-    saving = _iteration_of(iteration_dir(checkpoint_name, ckpt_type))
     for store in stores:
-        resumed = _resumed.get(store)
-        if resumed is not None and saving is not None and saving != resumed[0]:
-            raise RuntimeError(_continuation_error(*resumed, saving))
+        if store in _resumed:  # not stepped since its load: the run may count from elsewhere
+            _check_continuation(*_resumed[store])
         store.save_to(directory)
 
 
@@ -127,8 +125,8 @@ def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
 
 
 # Stores loaded from a checkpoint that have not stepped since -> (the iteration
-# their state belongs to, its directory).
-_resumed: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+# their state belongs to, its directory, Megatron's args).
+_resumed: weakref.WeakKeyDictionary[Any, tuple[int, str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _iteration_of(directory: str) -> int | None:
@@ -145,23 +143,37 @@ def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) 
     legacy format with the distributed optimizer re-reads
     ``latest_checkpointed_iteration.txt`` and so ignores ``--ckpt-step``
     (core_v0.19.0), loading params and the streamed state from the asked
-    iteration while counting from the latest. The next step checks Megatron's
-    ``args.iteration`` (set from ``load_checkpoint``, not advanced by the
-    training loop); a save before any step checks the iteration it saves.
+    iteration while counting from the latest. Megatron's ``args.iteration`` is
+    set from ``load_checkpoint`` by ``setup_model_and_optimizer`` and not
+    advanced by the training loop, so it is checked before the store's next step
+    and by a save that comes before any step (the run ended at once, or its first
+    steps were skipped). A caller that does not set it gets no check.
     ``--override-ckpt-iteration`` asks for exactly that difference, and is let through.
     """
     loaded = _iteration_of(directory)
     if loaded is None or getattr(args, "override_ckpt_iteration", None) is not None:
+        _resumed.pop(store, None)
         return
-    _resumed[store] = (loaded, directory)
+    armed = store in _resumed
+    _resumed[store] = (loaded, directory, args)  # a reload replaces what an earlier load expected
+    if armed:
+        return
 
     def check() -> None:
-        current = getattr(args, "iteration", None)
-        if current is not None and current != loaded:
-            raise RuntimeError(_continuation_error(loaded, directory, current))
-        _resumed.pop(store, None)
+        expected = _resumed.get(store)
+        if expected is not None:
+            _check_continuation(*expected)
+            del _resumed[store]
 
-    store.before_next_step(check)
+    before_next_step = getattr(store, "before_next_step", None)
+    if before_next_step is not None:
+        before_next_step(check)
+
+
+def _check_continuation(loaded: int, directory: str, args: Any) -> None:
+    current = getattr(args, "iteration", None)
+    if current is not None and current != loaded:
+        raise RuntimeError(_continuation_error(loaded, directory, current))
 
 
 def _continuation_error(loaded: int, directory: str, current: int) -> str:
@@ -171,7 +183,7 @@ def _continuation_error(loaded: int, directory: str, current: int) -> str:
         "iteration this run counts from. With --ckpt-format torch and the distributed optimizer, Megatron "
         "ignores --ckpt-step for its iteration (it re-reads the latest checkpointed iteration); use "
         "--ckpt-format torch_dist, load the latest iteration, or --override-ckpt-iteration to count from "
-        "another one on purpose"
+        "another one on purpose (or if the iteration directory was renamed)"
     )
 
 

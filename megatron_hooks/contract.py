@@ -25,7 +25,7 @@ HOOK_ABI_VERSION = 1
 
 @runtime_checkable
 class OptimizerStateStore(Protocol):
-    """The four calls every streamed-state store answers.
+    """The calls every streamed-state store answers.
 
     ``step()``
         Run one optimizer step over all of the store's state, bucket by bucket,

@@ -9,8 +9,8 @@ have no launcher code to add two lines to. The script runs unmodified, as
 ``sys.path``, ``sys.argv`` = ``[SCRIPT.py, *args]``). Before it starts, two names
 of Megatron-LM's training package are wrapped in memory (no patch hunks):
 
-- ``megatron.training.arguments.parse_args`` (and any module that imported it by
-  name): the script's ``extra_args_provider`` is followed by
+- ``megatron.training.arguments.parse_args`` (as every module that imports it
+  afterwards sees it): the script's ``extra_args_provider`` is followed by
   :func:`~miles_plugins.optimizers.args.add_arguments`, so Megatron's parser
   knows the streaming flags;
 - ``megatron.training.training.get_megatron_optimizer``, which
@@ -117,6 +117,11 @@ def _wrap_parse(original: Callable) -> Callable:
 
         hooks = _current
         hooks.parse_called = True
+        # Before anything is built: training must be wrapped by now, even if its
+        # import went around the finder (another finder resolved it first, say).
+        training = sys.modules.get("megatron.training.training")
+        if training is not None and not getattr(training.get_megatron_optimizer, "_miles_launch", False):
+            _hook_training(training)
         hooks.parsed = original(provider, *args, **kwargs)
         if hooks.flag_given and not hooks.streaming:
             raise LaunchError(
@@ -186,12 +191,18 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                     continue
                 spec = finder.find_spec(name, path, target)
                 if spec is not None and spec.loader is not None:
-                    del self.callbacks[name]
-                    spec.loader = _CallbackLoader(spec.loader, callback)
+                    spec.loader = _CallbackLoader(spec.loader, lambda module: self._ran(name, module))
                     return spec
             return None
         finally:
             self._searching.discard(name)
+
+    def _ran(self, name: str, module: ModuleType) -> None:
+        """The module's code ran to the end: wrap it, once (a spec found by a mere
+        probe, or a module whose code raised, leaves the callback armed)."""
+        callback = self.callbacks.pop(name, None)
+        if callback is not None:
+            callback(module)
 
 
 _finder = _AfterImport({})

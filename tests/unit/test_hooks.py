@@ -172,13 +172,29 @@ def test_a_run_continuing_where_its_state_belongs_steps(tmp_path, iteration_name
     front.close()
 
 
-def test_a_save_before_any_step_must_be_of_the_loaded_iteration(tmp_path):
-    """The other face of the same mismatch: the run ends at once (its counter is past
-    --train-iters) and saves; the state would be filed under the wrong iteration."""
+def test_a_save_before_any_step_refuses_the_same_mismatch(tmp_path):
+    """The other face of it: the run ends at once (its count is past --train-iters) and
+    saves, filing iteration 10's state under 20."""
     front, holder = _loaded_at(tmp_path, "iter_0000010", iteration=20)
+    name = str(tmp_path / "ckpt" / "iter_0000020")
     with pytest.raises(RuntimeError, match="loaded from iteration 10 .* continues from iteration 20"):
-        hooks.save(
-            types.SimpleNamespace(no_save_optim=False), holder, str(tmp_path / "ckpt" / "iter_0000020"), "GLOBAL"
-        )
-    hooks.save(types.SimpleNamespace(no_save_optim=False), holder, str(tmp_path / "ckpt" / "iter_0000010"), "GLOBAL")
+        hooks.save(types.SimpleNamespace(no_save_optim=False), holder, name, "GLOBAL")
+    front.close()
+
+
+def test_a_save_after_skipped_steps_of_a_sound_resume_goes_through(tmp_path):
+    """Resumed at 10 and counting from 10, the first iterations overflowed (fp16: the
+    optimizer step is skipped, the count advances) and a save comes at 11: sound."""
+    front, holder = _loaded_at(tmp_path, "iter_0000010", iteration=10)
+    hooks.save(types.SimpleNamespace(no_save_optim=False), holder, str(tmp_path / "ckpt" / "iter_0000011"), "GLOBAL")
+    front.close()
+
+
+def test_a_second_load_replaces_what_the_first_expected(tmp_path):
+    front, holder = _loaded_at(tmp_path, "iter_0000010", iteration=20)
+    name = str(tmp_path / "ckpt" / "iter_0000020")
+    front.store.save_to(str(tmp_path / "ckpt" / "iter_0000020" / hooks.STATE_DIRNAME))  # a later save to reload
+    hooks.load(types.SimpleNamespace(iteration=20), holder, name, "GLOBAL")
+    front.step()  # counts from 20, loaded from 20: one check, and it passes
+    assert front.store.steps_taken == 2
     front.close()

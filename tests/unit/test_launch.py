@@ -128,7 +128,7 @@ def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_bu
     result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk")
     assert result.returncode != 0
     assert "--use-distributed-optimizer is off" in result.stderr
-    assert "optimizer built" in result.stdout and "training" not in result.stdout
+    assert "optimizer built" in result.stdout and "training" not in result.stdout.splitlines()
 
 
 def test_an_unpatched_tree_is_refused_before_the_script_runs(tmp_path):
@@ -168,7 +168,7 @@ def test_a_script_that_trains_with_an_optimizer_built_elsewhere_is_refused_when_
     result = _launch(script, "--stream-optimizer-state-to-disk")
     assert result.returncode == 1
     assert "the training loop started without an optimizer built by megatron.training" in result.stderr
-    assert "training" not in result.stdout
+    assert "training" not in result.stdout.splitlines()
 
 
 def test_the_scripts_exit_status_is_the_launchers(tmp_path):
@@ -215,7 +215,7 @@ def test_help_and_runs_that_build_no_optimizer_exit_cleanly(tmp_path):
 def test_a_flag_megatrons_parsing_drops_is_refused(tmp_path):
     result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk", "--yaml-cfg", "run.yaml")
     assert result.returncode == 1
-    assert "--yaml-cfg replaces the command line" in result.stderr and "training" not in result.stdout
+    assert "--yaml-cfg replaces the command line" in result.stderr and "training" not in result.stdout.splitlines()
 
 
 def test_nothing_is_imported_ahead_of_the_script_and_a_second_run_wraps_nothing_twice(tmp_path):
@@ -258,3 +258,39 @@ def test_another_after_import_hook_on_the_same_module_coexists(tmp_path):
     result = subprocess.run([sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "other hook" in result.stdout and "optimizer built" in result.stdout
+
+
+BYPASS = """
+    import importlib.machinery
+    import sys
+
+    class First:  # resolves the training module itself, ahead of every other finder
+        def find_spec(self, name, path, target=None):
+            if name == "megatron.training.training":
+                return importlib.machinery.PathFinder.find_spec(name, path)
+            return None
+
+    sys.meta_path.insert(0, First())
+"""
+PROBE = """
+    import importlib.util
+
+    importlib.util.find_spec("megatron.training.training")  # a probe, no import
+"""
+
+
+@pytest.mark.parametrize("prelude", [BYPASS, PROBE], ids=["finder-bypassed", "spec-probed-first"])
+def test_training_is_wrapped_however_its_import_went(tmp_path, prelude):
+    """Without the streaming flag nothing is imported ahead of the script, so the
+    script's own import is the first."""
+    check = """
+        from megatron.training import training
+        from megatron.training.arguments import parse_and_validate_args
+
+        parse_and_validate_args()
+        print("wrapped:", getattr(training.get_megatron_optimizer, "_miles_launch", False))
+    """
+    script = _tree(tmp_path, script=textwrap.dedent(prelude) + textwrap.dedent(check))
+    result = _launch(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wrapped: True" in result.stdout
