@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         f"-> {streamed['losses'][-1]:.4f} streamed"
     )
     print(
-        f"state: {report['state_bytes_total']:,} bytes in {report['buckets']} buckets "
-        f"(largest {report['bucket_bytes_max']:,}); at most {report['accounted_max_state_bytes']:,} "
-        f"materialized at once"
+        f"state: {report['state_bytes_total']:,} bytes in fp32 in {report['buckets']} buckets "
+        f"(largest {report['bucket_bytes_max']:,}), stored as {report['file_bytes_total']:,} bytes; at most "
+        f"{report['accounted_max_state_bytes']:,} materialized at once"
     )
     verdict = "bit-identical" if identical else "NOT bit-identical"
     expected = args.moment_dtype == "fp32"

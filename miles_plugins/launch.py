@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     script, script_args = argv[0], argv[1:]
     if not os.path.isfile(script):
-        print(f"miles_plugins.launch: no such script: {script}\n\n{USAGE}", file=sys.stderr)
+        why = "is not a file" if os.path.exists(script) else "does not exist"
+        print(f"miles_plugins.launch: the script {script} {why}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
         run(script, script_args)

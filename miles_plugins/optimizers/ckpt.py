@@ -5,15 +5,19 @@
 ``DIR`` is a checkpoint's iteration directory (its ``streamed_optimizer_state/``
 is read), that directory itself, or one saved store. For every saved store it
 prints the topology, the storage formats, the layout and the step count, and
-checks every file against the manifest: the manifest's own checksum first,
-then each file's presence, size and CRC-32 (every byte is read). Exit status:
-0 when everything verifies, 1 on any problem (each one listed), 2 on bad usage.
+checks what a load would: the manifest's own checksum, that it is the store
+its directory is named after, its file table against its layout, and each
+file's presence, size and CRC-32 (every byte is read); a store whose replace
+was cut off is read from ``.<name>.previous`` as a load does; a rank of the
+recorded world size without a store is a problem too. Exit status: 0 when
+everything verifies, 1 on any problem (each one listed), 2 on bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import zlib
@@ -21,23 +25,47 @@ import zlib
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.fs import open_file
-from miles_plugins.optimizers.manifest import MANIFEST_NAME, Manifest
+from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest
 
 READ_BYTES = 16 << 20
 
 
-def stores_under(directory: str) -> list[str]:
-    """The saved-store directories ``directory`` holds (or is): every subdirectory
-    but the hidden ones a save works in; a store missing its manifest included."""
-    if os.path.isfile(os.path.join(directory, MANIFEST_NAME)):
-        return [directory]
+_STORE_NAME = re.compile(r"rank(\d+)\.opt\d+")
+
+
+class NotAStateDir(Exception):
+    """DIR holds no saved streamed optimizer state where one is looked for."""
+
+
+def stores_under(directory: str) -> list[tuple[str, str]]:
+    """(store name, the directory a load would read) for every saved store
+    ``directory`` holds or is: one store, a ``streamed_optimizer_state/``, or an
+    iteration directory holding one. A store whose save was cut off while
+    replacing the previous one is read from ``.<name>.previous``, as a load does."""
+    if os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
+        return [(os.path.basename(os.path.normpath(directory)), directory)]
     if os.path.isdir(os.path.join(directory, STATE_DIRNAME)):
         directory = os.path.join(directory, STATE_DIRNAME)
-    return sorted(
-        os.path.join(directory, name)
-        for name in os.listdir(directory)
-        if not name.startswith(".") and os.path.isdir(os.path.join(directory, name))
-    )
+    elif os.path.basename(os.path.normpath(directory)) != STATE_DIRNAME:
+        raise NotAStateDir(
+            f"{directory} is not a saved streamed optimizer state: give a checkpoint's iteration directory "
+            f"(…/iter_0001000, holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, or one store in it"
+        )
+    names = os.listdir(directory)
+    stores = {name: os.path.join(directory, name) for name in names if not name.startswith(".")}
+    for name in names:
+        original = name[1 : -len(".previous")] if name.startswith(".") and name.endswith(".previous") else None
+        if original and original not in stores:
+            stores[original] = os.path.join(directory, name)
+    return sorted(stores.items())
+
+
+def missing_ranks(names: list[str], world_size: object) -> list[int]:
+    """Ranks of ``world_size`` (from a manifest's topology) no store is named after."""
+    if type(world_size) is not int or world_size <= 0:
+        return []
+    present = {int(m.group(1)) for name in names if (m := _STORE_NAME.fullmatch(name))}
+    return [rank for rank in range(world_size) if rank not in present] if present else []
 
 
 def file_crc32(path: str) -> int:
@@ -62,7 +90,7 @@ def describe(manifest: Manifest) -> str:
         f"format {data.get('format_version')}, step {data.get('steps_taken')}, optimizer {data.get('optimizer_class')}\n"
         f"  topology: {topology}\n"
         f"  mains {data.get('main_dtype')}, moments {moments}\n"
-        f"  {len(layout)} buckets, {elements:,} streamed elements, "
+        f"  {len(layout)} bucket(s), {elements:,} streamed elements, "
         f"{len(data.get('resident_numels') or [])} resident params; "
         f"{sum(f['size'] for f in manifest.files.values()) / 1e9:.3f} GB in {len(manifest.files)} files"
     )
@@ -82,7 +110,7 @@ def verify(store: str, manifest: Manifest) -> list[str]:
         except FileNotFoundError:
             problems.append(f"{name} is missing")
             continue
-        except (OSError, StreamIOError) as exc:
+        except OSError as exc:  # StreamIOError included
             problems.append(f"{name} cannot be read: {exc}")
             continue
         if crc != entry["crc32"]:
@@ -90,31 +118,65 @@ def verify(store: str, manifest: Manifest) -> list[str]:
     return problems
 
 
+def check_store(name: str, path: str) -> tuple[list[str], Manifest | None]:
+    """Every problem a load of the store at ``path`` would meet in its files,
+    with the manifest (None when that is unreadable)."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return [f"{path} is not a plain directory (a load refuses it)"], None
+    manifest = Manifest.read(path)  # raises on a missing, damaged or edited manifest
+    problems = []
+    if manifest.data.get("store") != name:
+        problems.append(f"the manifest is store {manifest.data.get('store')!r}'s, but it sits in {name!r}")
+    try:
+        layout = manifest.data.get("layout") or []
+        expected = {bucket["file"] for bucket in layout} | (
+            {RESIDENT_FILE} if manifest.data.get("resident_numels") else set()
+        )
+        if set(manifest.files) != expected:
+            problems.append(f"the file table lists {sorted(manifest.files)}, the layout needs {sorted(expected)}")
+        problems += [
+            f"{b['file']}: the file table says {manifest.files[b['file']]['size']} bytes, the layout {b['size']}"
+            for b in layout
+            if b["file"] in manifest.files and manifest.files[b["file"]]["size"] != b["size"]
+        ]
+    except (KeyError, TypeError, AttributeError) as exc:
+        problems.append(f"the manifest's layout is malformed ({type(exc).__name__}: {exc})")
+    return problems + verify(path, manifest), manifest
+
+
 def inspect(directory: str) -> int:
-    stores = stores_under(directory)
+    try:
+        stores = stores_under(directory)
+    except (NotAStateDir, OSError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
     if not stores:
         print(f"no saved streamed optimizer state under {directory}", file=sys.stderr)
         return 1
-    failed = 0
-    for store in stores:
+    failed, world_sizes = 0, set()
+    for name, path in stores:
         start = time.perf_counter()
-        print(f"{store}:", flush=True)
+        print(f"{path}:", flush=True)
+        if os.path.basename(path) != name:
+            print(f"  note: {name} is missing; a load reads the previous save, kept aside by a cut-off replace")
         try:
-            manifest = Manifest.read(store)
-        except (CheckpointMismatchError, StreamIOError) as exc:
-            print(f"  PROBLEM: {exc}", flush=True)
-            failed += 1
-            continue
-        print("  " + describe(manifest), flush=True)
-        problems = verify(store, manifest)
+            problems, manifest = check_store(name, path)
+            if manifest is not None:
+                print("  " + describe(manifest), flush=True)
+                world_sizes.add((manifest.data.get("topology") or {}).get("world_size"))
+        except (CheckpointMismatchError, StreamIOError, OSError, TypeError, AttributeError) as exc:
+            problems = [str(exc).splitlines()[0] if isinstance(exc, (TypeError, AttributeError)) else str(exc)]
         for problem in problems:
             print(f"  PROBLEM: {problem}", flush=True)
         if problems:
             failed += 1
         else:
             print(f"  OK: every file's size and CRC-32 match ({time.perf_counter() - start:.1f} s)", flush=True)
+    absent = missing_ranks([name for name, _ in stores], next(iter(world_sizes)) if len(world_sizes) == 1 else None)
+    if absent:
+        print(f"PROBLEM: the run had {next(iter(world_sizes))} ranks; no store for rank(s) {absent}", flush=True)
     print(f"{len(stores) - failed} of {len(stores)} saved stores verify", flush=True)
-    return 1 if failed else 0
+    return 1 if failed or absent else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,8 +145,7 @@ class StreamConfig:
         if self.moment_dtype in REMOVED_MOMENT_DTYPES:
             raise StreamConfigError(
                 f"moment dtype {self.moment_dtype!r} is no longer offered: "
-                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; use bf16, or 8bit (scaled per block) where the "
-                "launcher's flag offers it, for compact moments"
+                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; use bf16 or 8bit (scaled per block) for compact moments"
             )
         if self.moment_dtype not in MOMENT_DTYPES:
             raise StreamConfigError(

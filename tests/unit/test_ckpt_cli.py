@@ -3,6 +3,7 @@ verified byte for byte; damaged ones are reported, each problem named, with exit
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import torch
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
 from tests.unit.test_bad_input import REPO
 
 
@@ -87,10 +88,44 @@ def test_an_incomplete_save_and_an_empty_directory_are_problems(checkpoint, tmp_
     assert result.returncode == 1 and "holds no manifest.json: the save that wrote it did not complete" in result.stdout
     (tmp_path / "empty").mkdir()
     result = _inspect("inspect", str(tmp_path / "empty"))
-    assert result.returncode == 1 and "no saved streamed optimizer state" in result.stderr
+    assert result.returncode == 1 and "is not a saved streamed optimizer state: give a checkpoint's" in result.stderr
+    result = _inspect("inspect", str(tmp_path))  # the checkpoint root, one level too high
+    assert result.returncode == 1 and "is not a saved streamed optimizer state" in result.stderr
 
 
 def test_bad_usage_exits_2(tmp_path):
     assert _inspect().returncode == 2
     result = _inspect("inspect", str(tmp_path / "nope"))
     assert result.returncode == 2 and "is not a directory" in result.stderr
+
+
+def test_what_a_load_would_refuse_or_read_instead_is_what_inspect_reports(checkpoint):
+    state = checkpoint / STATE_DIRNAME
+    # A replace cut off between its renames: the load reads .<name>.previous.
+    os.rename(state / "rank1.opt0", state / ".rank1.opt0.previous")
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 0, result.stdout
+    assert "rank1.opt0 is missing; a load reads the previous save" in result.stdout
+    # Two ranks' stores swapped: each manifest names its own store.
+    os.rename(state / ".rank1.opt0.previous", state / "rank1.opt0")
+    os.rename(state / "rank0.opt0", state / "tmp")
+    os.rename(state / "rank1.opt0", state / "rank0.opt0")
+    os.rename(state / "tmp", state / "rank1.opt0")
+    result = _inspect("inspect", str(checkpoint))
+    assert (
+        result.returncode == 1 and "the manifest is store 'rank1.opt0''s, but it sits in 'rank0.opt0'" in result.stdout
+    )
+
+
+def test_a_rank_without_a_store_is_reported(checkpoint):
+    state = checkpoint / STATE_DIRNAME
+    for store in ("rank0.opt0", "rank1.opt0"):  # a topology of two ranks, as Megatron records it
+        manifest = state / store / MANIFEST_NAME
+        data = json.loads(manifest.read_text())
+        data["topology"] = {"world_size": 2, "dp_size": 2}
+        data[CHECKSUM_KEY] = checksum(data)
+        manifest.write_text(json.dumps(data))
+    assert _inspect("inspect", str(checkpoint)).returncode == 0
+    shutil.rmtree(state / "rank1.opt0")
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1 and "the run had 2 ranks; no store for rank(s) [1]" in result.stdout

@@ -110,7 +110,9 @@ def test_without_a_script_it_prints_its_usage_and_exits_2():
 
 def test_a_missing_script_is_refused_with_exit_2(tmp_path):
     result = _launch(str(tmp_path / "nope.py"))
-    assert result.returncode == 2 and "no such script" in result.stderr
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    result = _launch(str(tmp_path))
+    assert result.returncode == 2 and "is not a file" in result.stderr
 
 
 def test_the_script_runs_unmodified_with_the_streaming_flags_on_megatrons_parser(tmp_path):
