@@ -271,7 +271,12 @@ def test_8bit_moments_train_within_2_percent_of_fp32_moments_and_unscaled_8bit_d
     assert all(same_bytes(a, b) for a, b in zip(streamed["params"], plain["params"], strict=True))
 
 
-def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path):
+CROSSINGS = [({}, {}), ({"tier": "host"}, {"engine": "sync"}), ({"engine": "sync"}, {"tier": "host"})]
+
+
+@pytest.mark.parametrize("saving, loading", CROSSINGS, ids=["disk", "host-to-sync-disk", "sync-disk-to-host"])
+def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path, saving, loading):
+    """Across tiers and engines too: a checkpoint depends on the formats only."""
     save_at = 12
     want_params, want_state = _plain_loop_storing_moments_in_8bit(STEPS)
     ckpt = tmp_path / "ckpt"
@@ -291,7 +296,7 @@ def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path):
             optimizer.zero_grad()
             between_steps(optimizer, scheduler, step)
 
-    model, optimizer, scheduler, first = build(moment_dtype="8bit")
+    model, optimizer, scheduler, first = build(moment_dtype="8bit", **saving)
     train(model, optimizer, scheduler, range(save_at))
     first.save_to(str(ckpt))
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
@@ -305,7 +310,7 @@ def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path):
             streamed.load_from(str(ckpt))
         streamed.close()
 
-    model, optimizer, scheduler, resumed = build(moment_dtype="8bit")
+    model, optimizer, scheduler, resumed = build(moment_dtype="8bit", **loading)
     rest = torch.load(ckpt / "rest.pt")
     model.load_state_dict(rest["model"])
     scheduler.load_state_dict(rest["scheduler"])
