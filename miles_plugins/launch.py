@@ -78,6 +78,60 @@ class _Hooks:
 _current = _Hooks([])
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``callbacks[name](module)`` right after module ``name``'s code has run:
+    the module is complete, and nothing has imported names from it yet."""
+
+    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.callbacks = callbacks
+        self._searching: set[str] = set()  # another such finder asks all the others, this one too
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        callback = self.callbacks.get(name)
+        if callback is None or name in self._searching:
+            return None
+        self._searching.add(name)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _CallbackLoader(spec.loader, lambda module: self._ran(name, module))
+                    return spec
+            return None
+        finally:
+            self._searching.discard(name)
+
+    def _ran(self, name: str, module: ModuleType) -> None:
+        """The module's code ran to the end: wrap it, once (a spec found by a mere
+        probe, or a module whose code raised, leaves the callback armed)."""
+        callback = self.callbacks.pop(name, None)
+        if callback is not None:
+            callback(module)
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """``loader``, with ``callback(module)`` after it executed the module."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
+        return getattr(self._loader, name)
+
+
+# The launcher's own finder: one per process, whatever the number of runs.
+_finder = _AfterImport({})
+
+
 def install() -> None:
     """Wrap the Megatron names. The modules are not imported here: the script
     imports them when it would anyway, and each is wrapped right after its code
@@ -90,9 +144,6 @@ def install() -> None:
             _finder.callbacks[name] = callback
     if _finder.callbacks and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-
-
-_finder: _AfterImport  # the launcher's own, defined below
 
 
 def _hook_arguments(arguments: ModuleType) -> None:
@@ -170,59 +221,6 @@ def _mark(wrapper: Callable, original: Callable) -> Callable:
     wrapper._miles_launch = True  # type: ignore[attr-defined]
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``callbacks[name](module)`` right after module ``name``'s code has run:
-    the module is complete, and nothing has imported names from it yet."""
-
-    def __init__(self, callbacks: dict[str, Callable[[ModuleType], None]]) -> None:
-        self.callbacks = callbacks
-        self._searching: set[str] = set()  # another such finder asks all the others, this one too
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        callback = self.callbacks.get(name)
-        if callback is None or name in self._searching:
-            return None
-        self._searching.add(name)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None and spec.loader is not None:
-                    spec.loader = _CallbackLoader(spec.loader, lambda module: self._ran(name, module))
-                    return spec
-            return None
-        finally:
-            self._searching.discard(name)
-
-    def _ran(self, name: str, module: ModuleType) -> None:
-        """The module's code ran to the end: wrap it, once (a spec found by a mere
-        probe, or a module whose code raised, leaves the callback armed)."""
-        callback = self.callbacks.pop(name, None)
-        if callback is not None:
-            callback(module)
-
-
-_finder = _AfterImport({})
-
-
-class _CallbackLoader(importlib.abc.Loader):
-    """``loader``, with ``callback(module)`` after it executed the module."""
-
-    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
-        self._loader, self._callback = loader, callback
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._callback(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks
-        return getattr(self._loader, name)
 
 
 def run(script: str, script_args: list[str]) -> None:
