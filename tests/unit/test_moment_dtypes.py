@@ -9,9 +9,9 @@ import torch
 
 from bench import moment_formats
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, convert, quant8
-from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.layout import layout_bucket
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from tests.unit import test_checkpoint as checkpoint_tests
 from tests.unit.reference import Net, between_steps, groups, loss_fn, same_bytes, schedule
 from tests.unit.test_bit_identity import streamed_run
 from tests.unit.test_checkpoint import refusal, rewrite_manifest, save_run
@@ -277,45 +277,15 @@ CROSSINGS = [({}, {}), ({"tier": "host"}, {"engine": "sync"}), ({"engine": "sync
 @pytest.mark.parametrize("saving, loading", CROSSINGS, ids=["disk", "host-to-sync-disk", "sync-disk-to-host"])
 def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path, saving, loading):
     """Across tiers and engines too: a checkpoint depends on the formats only."""
-    save_at = 12
-    want_params, want_state = _plain_loop_storing_moments_in_8bit(STEPS)
+    want_params, want_state = _plain_loop_storing_moments_in_8bit(checkpoint_tests.STEPS)
     ckpt = tmp_path / "ckpt"
-
-    def build(**config):
-        model = Net(torch.bfloat16)
-        optimizer = torch.optim.AdamW(groups(model))
-        streamed = StreamedOptimizer(
-            optimizer, StreamConfig(directory=str(tmp_path / "scratch"), bucket_cap_elements=1500, **config)
-        )
-        return model, optimizer, schedule(optimizer), streamed
-
-    def train(model, optimizer, scheduler, steps):
-        for step in steps:
-            loss_fn(model, step).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            between_steps(optimizer, scheduler, step)
-
-    model, optimizer, scheduler, first = build(moment_dtype="8bit", **saving)
-    train(model, optimizer, scheduler, range(save_at))
-    first.save_to(str(ckpt))
-    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
-    first.close()
-
+    checkpoint_tests.save_run(tmp_path, ckpt, moment_dtype="8bit", **saving)[3].close()
     for other in ("bf16", "fp32"):
-        *_, streamed = build(moment_dtype=other)
-        with pytest.raises(
-            CheckpointMismatchError, match=f'moment dtype differs: checkpoint has "8bit", this run has "{other}"'
-        ):
-            streamed.load_from(str(ckpt))
-        streamed.close()
-
-    model, optimizer, scheduler, resumed = build(moment_dtype="8bit", **loading)
-    rest = torch.load(ckpt / "rest.pt")
-    model.load_state_dict(rest["model"])
-    scheduler.load_state_dict(rest["scheduler"])
+        message = checkpoint_tests.refusal(tmp_path, ckpt, moment_dtype=other)
+        assert f'moment dtype differs: checkpoint has "8bit", this run has "{other}"' in message
+    model, optimizer, scheduler, resumed = checkpoint_tests.resume(tmp_path, ckpt, moment_dtype="8bit", **loading)
     assert resumed.load_from(str(ckpt))
-    train(model, optimizer, scheduler, range(save_at, STEPS))
+    checkpoint_tests.train(model, optimizer, scheduler, range(checkpoint_tests.SAVE_AT, checkpoint_tests.STEPS))
     by_param = {id(p): (main, m, v) for p, main, m, v in resumed.iter_state()}
     assert all(same_bytes(a, b) for a, b in zip(model.parameters(), want_params, strict=True)), "params differ"
     for p, want in zip(model.parameters(), want_state, strict=True):
