@@ -20,11 +20,11 @@ import os
 import re
 import sys
 import time
-import zlib
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
-from miles_plugins.optimizers.fs import open_file
+from miles_plugins.optimizers.fs import open_file, previous_path
+from miles_plugins.optimizers.io import copy_file_crc32
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest
 
 READ_BYTES = 16 << 20
@@ -51,11 +51,15 @@ def stores_under(directory: str) -> list[tuple[str, str]]:
             f"{directory} is not a saved streamed optimizer state: give a checkpoint's iteration directory "
             f"(…/iter_0001000, holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, or one store in it"
         )
-    names = os.listdir(directory)
+    names = set(os.listdir(directory))
     stores = {name: os.path.join(directory, name) for name in names if not name.startswith(".")}
-    for name in names:
-        original = name[1 : -len(".previous")] if name.startswith(".") and name.endswith(".previous") else None
-        if original and original not in stores:
+    for name in names:  # as persistence reads them: the previous save where the store is missing
+        original = name[1 : -len(".previous")] if name.startswith(".") else ""
+        if (
+            original
+            and original not in stores
+            and previous_path(os.path.join(directory, original)) == os.path.join(directory, name)
+        ):
             stores[original] = os.path.join(directory, name)
     return sorted(stores.items())
 
@@ -68,14 +72,12 @@ def missing_ranks(names: list[str], world_size: object) -> list[int]:
     return [rank for rank in range(world_size) if rank not in present] if present else []
 
 
-def file_crc32(path: str) -> int:
-    crc = 0
-    with os.fdopen(open_file(path, os.O_RDONLY), "rb", buffering=0) as f:
-        buffer = bytearray(READ_BYTES)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
+def file_crc32(path: str, size: int) -> int:
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        return copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(READ_BYTES)))
+    finally:
+        os.close(fd)
 
 
 def describe(manifest: Manifest) -> str:
@@ -98,24 +100,18 @@ def describe(manifest: Manifest) -> str:
 
 def verify(store: str, manifest: Manifest) -> list[str]:
     """Every file of ``manifest`` that is missing, of another size or CRC-32."""
-    problems = []
+    problems = manifest.file_problems(store)
     for name, entry in sorted(manifest.files.items()):
-        path = os.path.join(store, name)
-        try:
-            size = os.lstat(path).st_size
-            if size != entry["size"]:
-                problems.append(f"{name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
-                continue
-            crc = file_crc32(path)
-        except FileNotFoundError:
-            problems.append(f"{name} is missing")
+        if name in problems:
             continue
+        try:
+            crc = file_crc32(os.path.join(store, name), entry["size"])
         except OSError as exc:  # StreamIOError included
-            problems.append(f"{name} cannot be read: {exc}")
+            problems[name] = f"{name} cannot be read: {exc}"
             continue
         if crc != entry["crc32"]:
-            problems.append(f"{name} fails its CRC-32 ({crc:#010x}, the manifest says {entry['crc32']:#010x})")
-    return problems
+            problems[name] = f"{name} fails its CRC-32 ({crc:#010x}, the manifest says {entry['crc32']:#010x})"
+    return [problems[name] for name in sorted(problems)]
 
 
 def check_store(name: str, path: str) -> tuple[list[str], Manifest | None]:

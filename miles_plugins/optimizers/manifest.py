@@ -68,6 +68,20 @@ class Manifest:
             f.flush()
             fsync(f.fileno(), path)
 
+    def file_problems(self, directory: str) -> dict[str, str]:
+        """File name -> what is wrong with it in ``directory`` (missing, or not the
+        size the manifest says), for every file that is; nothing is read."""
+        problems = {}
+        for name, entry in sorted(self.files.items()):
+            try:
+                size = os.lstat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:
+                problems[name] = f"{name} is missing"
+                continue
+            if size != entry["size"]:
+                problems[name] = f"{name} has {size} bytes, the manifest says {entry['size']} (truncated?)"
+        return problems
+
     @classmethod
     def read(cls, directory: str) -> Manifest:
         """Parse and verify ``directory``'s manifest: its format, its own checksum,

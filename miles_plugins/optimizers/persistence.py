@@ -259,14 +259,7 @@ class Persistence:
         expected = {b.file_name for b in self.buckets} | ({RESIDENT_FILE} if self.resident_optimizer else set())
         if set(manifest.files) != expected:
             return [f"the manifest lists files {sorted(manifest.files)}, this store needs {sorted(expected)}"]
-        for name, entry in sorted(manifest.files.items()):
-            try:
-                size = os.lstat(os.path.join(source, name)).st_size
-            except FileNotFoundError:
-                problems.append(f"{name} is missing")
-                continue
-            if size != entry["size"]:
-                problems.append(f"{name} has {size} bytes, the manifest says {entry['size']} (truncated?)")
+        problems += manifest.file_problems(source).values()
         problems += [
             f"{b.file_name}: the file table says {manifest.files[b.file_name]['size']} bytes, the layout {b.file_size}"
             for b in self.buckets
