@@ -59,9 +59,8 @@ def roundtrip(x: torch.Tensor, signed: bool, sqrt: bool, scaling: str) -> torch.
 
 def store_8bit(name: str, t: torch.Tensor) -> None:
     """The shipped format, through the in-place code a streamed step runs."""
-    if quant8.quantizes(t.numel()):
-        quant8.narrow_in_place(t, *quant8.MOMENT_FORMATS[name])
-        quant8.widen_in_place(t, *quant8.MOMENT_FORMATS[name])
+    quant8.narrow_in_place(t, *quant8.MOMENT_FORMATS[name])
+    quant8.widen_in_place(t, *quant8.MOMENT_FORMATS[name])
 
 
 def _stored_as(signed_sqrt_scaling: Callable[[str], tuple[bool, bool, str]]) -> Callable[[str, torch.Tensor], None]:

@@ -46,10 +46,9 @@ class Codec:
 
     @staticmethod
     def converts(segment: Segment, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s stored form differs from its fp32 form."""
-        if segment.blockwise:
-            return quant8.quantizes(tensor.numel())  # small entries stay fp32
-        return segment.dtype != tensor.dtype
+        """Whether ``tensor``'s stored form may differ from its fp32 form (it is
+        then decoded after a read)."""
+        return segment.blockwise or segment.dtype != tensor.dtype
 
     def decode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
         """Turn entry ``k``'s stored form (just read) into fp32, in place."""
@@ -66,11 +65,10 @@ class Codec:
         rounded to bf16 (remainder mains)."""
         if self.is_remainder(segment):
             self.exceptions[bucket.index][k] = remainder.encode_in_place(tensor, param)
+        elif segment.blockwise:
+            quant8.narrow_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
         elif self.converts(segment, tensor):
-            if segment.blockwise:
-                quant8.narrow_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
-            else:
-                narrow_in_place(tensor, segment.dtype)
+            narrow_in_place(tensor, segment.dtype)
 
     # ---- checkpoints -------------------------------------------------------------
 

@@ -159,9 +159,12 @@ def dequantize_chunk(
 
 @torch.no_grad()
 def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
-    """Rewrite the fp32 tensor ``t`` (``quantizes(t.numel())``) in its stored form,
-    in its first ``stored_nbytes`` bytes; its fp32 values are gone afterwards.
-    ``sqrt``: store the square root (``t`` must be non-negative)."""
+    """Rewrite the fp32 tensor ``t`` in its stored form, in its first
+    ``stored_nbytes`` bytes; its fp32 values are gone afterwards (an entry too
+    small to quantize is its own stored form: left as it is). ``sqrt``: store
+    the square root (``t`` must be non-negative)."""
+    if not quantizes(t.numel()):
+        return
     flat = t.view(-1)
     codes_out, scales_out = _codes_and_scales(t)
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
@@ -177,6 +180,8 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
 @torch.no_grad()
 def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     """Turn ``t``'s stored form (just read into its first bytes) back into fp32, in place."""
+    if not quantizes(t.numel()):
+        return
     flat = t.view(-1)
     codes_in, scales_in = _codes_and_scales(t)
     scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
