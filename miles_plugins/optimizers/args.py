@@ -48,23 +48,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     them itself (miles defines ``--stream-optimizer-state-to-disk``, the moment
     dtype and both ``--offload-train-disk-*`` flags) keeps its own definitions:
     their types, defaults, choices and help stay as it wrote them."""
-    group = parser.add_argument_group("optimizer-state streaming")
-    for flags, kwargs in _FLAGS:
-        if not any(flag in parser._option_string_actions for flag in flags):
-            group.add_argument(*flags, **kwargs)
+    missing = [(flag, kwargs) for flag, kwargs in _FLAGS if flag not in parser._option_string_actions]
+    if missing:
+        group = parser.add_argument_group("optimizer-state streaming")
+        for flag, kwargs in missing:
+            group.add_argument(flag, **kwargs)
     return parser
 
 
-_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
-        ("--stream-optimizer-state-to-disk",),
+        "--stream-optimizer-state-to-disk",
         dict(
             action="store_true",
             help="keep fp32 mains and Adam moments in per-bucket files and stream them through optimizer.step()",
         ),
     ),
     (
-        ("--stream-optimizer-state-moment-dtype",),
+        "--stream-optimizer-state-moment-dtype",
         dict(
             choices=list(MOMENT_DTYPES),
             default="fp32",
@@ -73,7 +74,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--stream-optimizer-state-tier",),
+        "--stream-optimizer-state-tier",
         dict(
             choices=list(TIERS),
             default="disk",
@@ -81,7 +82,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--stream-optimizer-state-engine",),
+        "--stream-optimizer-state-engine",
         dict(
             choices=list(ENGINES),
             default="pipelined",
@@ -89,7 +90,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--stream-optimizer-state-main-storage",),
+        "--stream-optimizer-state-main-storage",
         dict(
             choices=list(MAIN_STORAGES),
             default="fp32",
@@ -97,7 +98,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--stream-optimizer-state-buckets-in-flight",),
+        "--stream-optimizer-state-buckets-in-flight",
         dict(
             type=int,
             default=DEFAULT_BUCKETS_IN_FLIGHT,
@@ -105,15 +106,15 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--stream-optimizer-state-io-threads",),
+        "--stream-optimizer-state-io-threads",
         dict(type=int, default=DEFAULT_IO_THREADS, help="requests in flight per direction (pipelined)"),
     ),
     (
-        ("--stream-optimizer-state-bucket-cap",),
+        "--stream-optimizer-state-bucket-cap",
         dict(type=int, default=DEFAULT_BUCKET_CAP_ELEMENTS, help="most elements in one streaming bucket"),
     ),
     (
-        ("--stream-optimizer-state-io-timeout",),
+        "--stream-optimizer-state-io-timeout",
         dict(
             type=float,
             default=DEFAULT_IO_TIMEOUT_S,
@@ -121,7 +122,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--no-stream-optimizer-state-direct-io",),
+        "--no-stream-optimizer-state-direct-io",
         dict(
             dest="stream_optimizer_state_direct_io",
             action="store_false",
@@ -130,7 +131,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     ),
     # Shared with miles' disk offload of the training actor (each under its own subdirectory).
     (
-        ("--offload-train-disk-dir",),
+        "--offload-train-disk-dir",
         dict(
             default=None,
             help="node-local directory for offloaded and streamed state; the streamed state goes in its "
@@ -139,7 +140,7 @@ _FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
-        ("--offload-train-disk-chunk-mb",),
+        "--offload-train-disk-chunk-mb",
         dict(
             type=int,
             default=DEFAULT_STAGING_BUDGET_MB,

@@ -54,7 +54,7 @@ RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 # lock file says it is one (a stray ".x.lock" beside a directory "x" is not).
 LOCK_MARKER = b"miles optimizer-state scratch lock\n"
 # The subdirectory of an --offload-train-disk-dir the store's scratch lives in
-# (``args.STATE_SUBDIR``; named here too, since this module imports no torch).
+# (defined here, where the purge command needs it without torch; args.py uses it).
 STATE_SUBDIR = "optimizer_state"
 
 
