@@ -1,0 +1,97 @@
+"""The remap behind a load at another data-parallel size, as plain code.
+
+Every streamed entry is a contiguous element range of one param: :class:`Piece`
+(the param's identity, where the range starts in the param, how many elements).
+Under the distributed optimizer each DP rank owns, per DDP bucket, one
+contiguous range of the bucket's buffer, and Megatron pads buffers per DP size
+(each param's start to 64 elements, each bucket's end to a multiple of
+``lcm(dp, 128)``). Padding belongs to no param, so in param coordinates a
+sharding is only a partition of each param's elements, whatever the DP size:
+loading at DP=M what was saved at DP=N means finding, for each of this rank's
+pieces, the saved pieces that cover it (:func:`plan`).
+
+Nothing here reads files or knows storage formats: the caller turns each
+:class:`Copy` into byte ranges of the saved files (elementwise formats), or
+decodes and re-encodes (blockwise 8-bit moments).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+class RemapError(ValueError):
+    """The saved pieces do not cover, or cover twice, what this rank needs."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, start + numel)`` of the param named ``key``."""
+
+    key: str
+    start: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``count`` elements from ``source`` (a saved piece's location) at element
+    ``source_offset`` within that piece, to ``target_offset`` within the target piece."""
+
+    source: Hashable
+    source_offset: int
+    target_offset: int
+    count: int
+
+
+def plan(targets: Sequence[Piece], sources: Sequence[tuple[Hashable, Piece]]) -> list[list[Copy]]:
+    """Per target piece, the copies that fill it exactly once, in target order.
+
+    ``sources`` pairs each saved piece with its location (any hashable the caller
+    resolves, e.g. (store, bucket, entry)). Raises :class:`RemapError` when two
+    saved pieces overlap (mixed saves), or when some element a target needs is in
+    no saved piece (naming the param and the missing range).
+    """
+    by_key: dict[str, list[tuple[int, int, Hashable]]] = {}
+    for location, piece in sources:
+        if piece.numel > 0:
+            by_key.setdefault(piece.key, []).append((piece.start, piece.end, location))
+    starts: dict[str, list[int]] = {}
+    for key, ranges in by_key.items():
+        ranges.sort(key=lambda r: (r[0], r[1]))
+        for (a_start, a_end, a_loc), (b_start, _, b_loc) in zip(ranges, ranges[1:], strict=False):
+            if b_start < a_end:
+                raise RemapError(
+                    f"param {key!r}: saved pieces {a_loc} [{a_start}, {a_end}) and {b_loc} from {b_start} overlap: "
+                    "the checkpoint mixes saves"
+                )
+        starts[key] = [r[0] for r in ranges]
+
+    copies = []
+    for target in targets:
+        ranges = by_key.get(target.key, [])
+        here, out = target.start, []
+        # The last saved piece starting at or before the target's first element.
+        i = max(bisect.bisect_right(starts.get(target.key, []), here) - 1, 0)
+        while here < target.end:
+            if i < len(ranges) and ranges[i][1] <= here:
+                i += 1  # that piece ends before the target starts; the next one starts after it
+            if i >= len(ranges) or ranges[i][0] > here:
+                gap_end = min(ranges[i][0], target.end) if i < len(ranges) else target.end
+                raise RemapError(
+                    f"param {target.key!r}: elements [{here}, {gap_end}) are in no saved piece "
+                    f"(this rank needs [{target.start}, {target.end}))"
+                )
+            start, end, location = ranges[i]
+            count = min(end, target.end) - here
+            out.append(Copy(location, here - start, here - target.start, count))
+            here += count
+            i += 1
+        copies.append(out)
+    return copies
