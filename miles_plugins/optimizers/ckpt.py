@@ -7,7 +7,7 @@ is read), that directory itself, or one saved store. For every saved store it
 prints the topology, the storage formats, the layout and the step count, and
 checks what a load would: the manifest's own checksum, that it is the store
 its directory is named after, its file table against its layout, and each
-file's presence, size and CRC-32 (every byte is read); a store whose replace
+file's presence, size and checksums (every byte is read); a store whose replace
 was cut off is read from ``.<name>.previous`` as a load does; a rank of the
 recorded world size without a store is a problem too. Exit status: 0 when
 everything verifies, 1 on any problem (each one listed), 2 on bad usage.
@@ -24,8 +24,8 @@ import time
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.fs import open_file, previous_path
-from miles_plugins.optimizers.io import copy_file_crc32
-from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest
+from miles_plugins.optimizers.io import BlockCrc, copy_file_crc32
+from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 
 READ_BYTES = 16 << 20
 
@@ -72,12 +72,14 @@ def missing_ranks(names: list[str], world_size: object) -> list[int]:
     return [rank for rank in range(world_size) if rank not in present] if present else []
 
 
-def file_crc32(path: str, size: int) -> int:
+def file_crcs(path: str, size: int, block_bytes: int | None) -> list[int]:
+    crc = BlockCrc(block_bytes)
     fd = open_file(path, os.O_RDONLY)
     try:
-        return copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(READ_BYTES)))
+        copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(READ_BYTES)), crc)
     finally:
         os.close(fd)
+    return crc.blocks
 
 
 def describe(manifest: Manifest) -> str:
@@ -99,18 +101,19 @@ def describe(manifest: Manifest) -> str:
 
 
 def verify(store: str, manifest: Manifest) -> list[str]:
-    """Every file of ``manifest`` that is missing, of another size or CRC-32."""
+    """Every file of ``manifest`` that is missing, of another size or checksum."""
     problems = manifest.file_problems(store)
     for name, entry in sorted(manifest.files.items()):
         if name in problems:
             continue
         try:
-            crc = file_crc32(os.path.join(store, name), entry["size"])
+            crcs = file_crcs(os.path.join(store, name), entry["size"], manifest.block_bytes)
         except OSError as exc:  # StreamIOError included
             problems[name] = f"{name} cannot be read: {exc}"
             continue
-        if crc != entry["crc32"]:
-            problems[name] = f"{name} fails its CRC-32 ({crc:#010x}, the manifest says {entry['crc32']:#010x})"
+        mismatch = crc_mismatch(crcs, manifest.crcs(name), manifest.block_bytes)
+        if mismatch:
+            problems[name] = f"{name} fails its checksum: {mismatch}"
     return [problems[name] for name in sorted(problems)]
 
 

@@ -21,12 +21,18 @@ class Entry:
     is fp32, ``main`` is the param itself (or a view of it): such entries stay
     resident. ``group_index`` names the master param group; ``bucket_key`` keeps
     entries of different keys (e.g. DDP buckets) in different streaming buckets.
+    ``name`` and ``start`` say which elements of which param the entry holds
+    (``main`` is elements ``[start, start + numel)`` of the param named ``name``):
+    checkpoints record them so a load under another sharding can find its
+    elements (``reshard.py``).
     """
 
     param: torch.Tensor
     main: torch.Tensor
     group_index: int
     bucket_key: Hashable = None
+    name: str | None = None
+    start: int = 0
 
     @property
     def resident(self) -> bool:

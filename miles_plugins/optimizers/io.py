@@ -179,20 +179,20 @@ class FileBacking:
         """The slot a step wrote becomes the state."""
         self.committed = 1 - self.committed
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
-        """Copy the bucket's committed bytes into an open file; returns their CRC-32."""
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
+        """Copy the bucket's committed bytes into an open file, through ``crc``."""
         handle = self.open(bucket, in_place=True)
         try:
-            return copy_file_crc32(handle.read_fd, handle.read_path, dst_fd, dst_path, bucket.file_size, buffer.view)
+            copy_file_crc32(handle.read_fd, handle.read_path, dst_fd, dst_path, bucket.file_size, buffer.view, crc)
         finally:
             handle.close()
 
-    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from an open file into the spare slot (the live state
-        is untouched until :meth:`commit`); returns their CRC-32."""
+        is untouched until :meth:`commit`), through ``crc``."""
         handle = self.open(bucket)
         try:
-            return copy_file_crc32(src_fd, src_path, handle.write_fd, handle.write_path, bucket.file_size, buffer.view)
+            copy_file_crc32(src_fd, src_path, handle.write_fd, handle.write_path, bucket.file_size, buffer.view, crc)
         finally:
             handle.close()
 
@@ -259,17 +259,17 @@ class HostBacking:
     def commit(self) -> None:
         pass
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory) -> int:
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         data = self.buffers[bucket.index].view
         pwrite_full(dst_fd, dst_path, 0, data)
-        return zlib.crc32(data)
+        crc.update(data)
 
-    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory) -> int:
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from an open file into its buffer, in place (the
-        host tier has no spare); returns their CRC-32."""
+        host tier has no spare), through ``crc``."""
         data = self.buffers[bucket.index].view
         pread_full(src_fd, src_path, 0, data)
-        return zlib.crc32(data)
+        crc.update(data)
 
     def release(self) -> None:
         for memory in self.buffers.values():
@@ -518,21 +518,44 @@ def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int 
         put = start + w
 
 
+class BlockCrc:
+    """The CRC-32 of each ``block_bytes`` block of a byte stream fed in pieces of
+    any size (the last block may be shorter); ``block_bytes`` None: one CRC-32 of
+    everything (manifests before per-block checksums)."""
+
+    def __init__(self, block_bytes: int | None) -> None:
+        self.block_bytes = block_bytes
+        self._done: list[int] = []
+        self._crc = self._filled = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        data = memoryview(data).cast("B")
+        while len(data):
+            take = len(data) if self.block_bytes is None else min(len(data), self.block_bytes - self._filled)
+            self._crc = zlib.crc32(data[:take], self._crc)
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.block_bytes:
+                self._done.append(self._crc)
+                self._crc = self._filled = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        return self._done + ([self._crc] if self._filled or self.block_bytes is None else [])
+
+
 def copy_file_crc32(
-    src_fd: int, src_path: str, dst_fd: int | None, dst_path: str, size: int, buffer: memoryview
-) -> int:
+    src_fd: int, src_path: str, dst_fd: int | None, dst_path: str, size: int, buffer: memoryview, crc: BlockCrc
+) -> None:
     """Copy ``size`` bytes from the start of one open file to another through
-    ``buffer`` (with ``dst_fd`` None: only read them); returns the CRC-32 of the
-    bytes. Raises :class:`StreamIOError` naming the file on an error or a short
-    transfer."""
-    crc = 0
+    ``buffer`` (with ``dst_fd`` None: only read them), feeding them to ``crc``.
+    Raises :class:`StreamIOError` naming the file on an error or a short transfer."""
     done = 0
     while done < size:
         chunk = buffer[: min(len(buffer), size - done)]
         # Aligned retries: either side may be a direct-I/O bucket file.
         pread_full(src_fd, src_path, done, chunk, ALIGNMENT)
-        crc = zlib.crc32(chunk, crc)
+        crc.update(chunk)
         if dst_fd is not None:
             pwrite_full(dst_fd, dst_path, done, chunk, ALIGNMENT)
         done += len(chunk)
-    return crc

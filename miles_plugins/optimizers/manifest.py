@@ -10,9 +10,13 @@ A saved store is one directory::
 The manifest records everything a load must match before it touches the live
 state: the format version, the on-disk dtypes, the layout (buckets, per-entry
 sizes, file sizes), the parallel topology (sizes and this rank's coordinates),
-the optimizer's step counts and its small per-param state, a size and CRC-32
-per file, and (from format version 2) a CRC-32 of the manifest itself, so a
-damaged or edited manifest is refused before anything in it is believed.
+the optimizer's step counts and its small per-param state, which elements of
+which param each entry holds (``pieces``), each file's size and checksums, and
+(from format version 2) a CRC-32 of the manifest itself, so a damaged or edited
+manifest is refused before anything in it is believed. From format version 3 a
+file's checksum is a CRC-32 per ``crc_block_bytes`` block, so a read of part of
+a file (a load at another DP size) can verify what it read; before, one CRC-32
+per file.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from miles_plugins.optimizers.fs import fsync, open_file
 logger = logging.getLogger(__name__)
 
 FORMAT = "miles.streamed_optimizer_state"
-# 2: the manifest carries its own checksum. Version 1 manifests still load
-# (without that check), so checkpoints written before it stay usable.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: the manifest carries its own checksum; 3: a CRC-32 per block of each file.
+# Older manifests still load, so checkpoints written before stay usable.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_KEY = "manifest_crc32"
+# A multiple of the direct-I/O alignment, so a block-aligned partial read can be direct.
+CRC_BLOCK_BYTES = 4 << 20
 MANIFEST_NAME = "manifest.json"
 RESIDENT_FILE = "resident.bin"
 
@@ -53,14 +59,26 @@ class Manifest:
     data: dict[str, Any]
 
     @property
-    def files(self) -> dict[str, dict[str, int]]:
-        """File name -> {"size": bytes, "crc32": checksum}."""
+    def files(self) -> dict[str, dict]:
+        """File name -> {"size": bytes, "block_crc32": [CRC-32 per block]} (format 3)
+        or {"size": bytes, "crc32": CRC-32 of the file} (formats 1 and 2)."""
         return self.data["files"]
+
+    @property
+    def block_bytes(self) -> int | None:
+        """The block size of the files' checksums; None: one checksum per file."""
+        return self.data.get("crc_block_bytes") if self.data.get("format_version", 1) >= 3 else None
+
+    def crcs(self, name: str) -> list[int]:
+        """The checksums of file ``name``, as :class:`io.BlockCrc` with
+        :attr:`block_bytes` computes them over the whole file."""
+        entry = self.files[name]
+        return entry["block_crc32"] if self.block_bytes is not None else [entry["crc32"]]
 
     def write(self, directory: str) -> None:
         """Write the manifest durably into ``directory`` (the save's last file),
-        with its own checksum."""
-        data = {**self.data, "format": FORMAT, "format_version": FORMAT_VERSION}
+        with its own checksum; the files' checksums are per ``CRC_BLOCK_BYTES`` block."""
+        data = {**self.data, "format": FORMAT, "format_version": FORMAT_VERSION, "crc_block_bytes": CRC_BLOCK_BYTES}
         data[CHECKSUM_KEY] = checksum(data)
         path = os.path.join(directory, MANIFEST_NAME)
         with os.fdopen(open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
@@ -112,8 +130,11 @@ class Manifest:
             )
         if version < 2:
             logger.info("%s is a format-%d manifest: it carries no checksum of its own", path, version)
+        block = data.get("crc_block_bytes") if version >= 3 else None
+        if version >= 3 and (type(block) is not int or block <= 0):
+            raise CheckpointMismatchError(f"{path} has crc_block_bytes {block!r}, not a block size")
         files = data.get("files")
-        if not isinstance(files, dict) or not all(_valid_file_entry(v) for v in files.values()):
+        if not isinstance(files, dict) or not all(_valid_file_entry(v, block) for v in files.values()):
             raise CheckpointMismatchError(f"{path} has a malformed file table; the checkpoint is damaged")
         for name in files:
             # A file name must stay inside the directory: no separators, no dot names.
@@ -122,12 +143,34 @@ class Manifest:
         return cls(data)
 
 
-def _valid_file_entry(entry: object) -> bool:
+def crc_mismatch(got: list[int], expected: list[int], block_bytes: int | None) -> str | None:
+    """What differs between a file's computed checksums and the manifest's; None when they match."""
+    if got == expected:
+        return None
+    if block_bytes is None or len(got) != len(expected):
+        return f"CRC-32 {_crc_text(got)} does not match the manifest's {_crc_text(expected)}"
+    bad = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
     return (
-        isinstance(entry, dict)
-        and set(entry) == {"size", "crc32"}
-        and all(type(v) is int and v >= 0 for v in entry.values())
+        f"the CRC-32 of {len(bad)} of its {len(got)} blocks of {block_bytes} bytes does not match the manifest's "
+        f"(first: block {bad[0]}, bytes {bad[0] * block_bytes}-{(bad[0] + 1) * block_bytes - 1})"
     )
+
+
+def _crc_text(crcs: list[int]) -> str:
+    return ", ".join(f"{c:#010x}" for c in crcs[:4]) + (" ..." if len(crcs) > 4 else "")
+
+
+def _valid_file_entry(entry: object, block_bytes: int | None) -> bool:
+    """A size and, per block of ``block_bytes`` (None: the whole file), a CRC-32."""
+    if not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0:
+        return False
+    if block_bytes is None:
+        crcs = [entry.get("crc32")] if set(entry) == {"size", "crc32"} else None
+    else:
+        crcs = entry.get("block_crc32") if set(entry) == {"size", "block_crc32"} else None
+        if not isinstance(crcs, list) or len(crcs) != -(-entry["size"] // block_bytes):
+            return False
+    return crcs is not None and all(type(c) is int and 0 <= c < 2**32 for c in crcs)
 
 
 # The manifest fields a load compares with the live store, and how to name them.

@@ -243,6 +243,8 @@ class MegatronBinding:
 
     def _entries(self) -> list[MegatronEntry]:
         opt = self.dist_opt
+        # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
+        names = {p: f"{i}/{name}" for i, chunk in enumerate(opt.model_chunks) for name, p in chunk.named_parameters()}
         entries = []
         for group_index, (model_group, main_group) in enumerate(
             zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
@@ -254,6 +256,8 @@ class MegatronBinding:
                         main=main,
                         group_index=group_index,
                         bucket_key=self._ddp_bucket(model_param),
+                        name=names.get(model_param),
+                        start=self._param_range(model_param).start,
                         model_param=model_param,
                     )
                 )
@@ -276,6 +280,8 @@ class MegatronBinding:
                         main=shard,
                         group_index=group_index,
                         bucket_key=self._ddp_bucket(model_param),
+                        name=names.get(model_param),
+                        start=self._param_range(model_param).start,
                         model_param=model_param,
                     )
                 )
@@ -285,9 +291,13 @@ class MegatronBinding:
         gbuf_index, _, bucket_index = self.dist_opt.model_param_gbuf_map[model_param]
         return gbuf_index, bucket_index
 
+    def _param_range(self, model_param: torch.nn.Parameter):
+        """The elements of ``model_param`` this rank's shard holds (Megatron's ``Range``)."""
+        return self.dist_opt._get_model_param_range_map(model_param)["param"]
+
     def _model_shard(self, model_param: torch.nn.Parameter, source: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard of ``model_param`` (or of ``source``, a tensor of its shape)."""
-        param_range = self.dist_opt._get_model_param_range_map(model_param)["param"]
+        param_range = self._param_range(model_param)
         base = model_param if source is None else source
         return base.detach().view(-1)[param_range.start : param_range.end]
 

@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -50,9 +49,9 @@ from miles_plugins.optimizers.fs import (
     replace_dir,
     require_free_space,
 )
-from miles_plugins.optimizers.io import HostMemory, copy_file_crc32, pwrite_full
+from miles_plugins.optimizers.io import BlockCrc, HostMemory, copy_file_crc32, pwrite_full
 from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.manifest import RESIDENT_FILE, Manifest, differences
+from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +111,12 @@ class Persistence:
         try:
             files = {}
             for bucket in self.buckets:
+                crc = BlockCrc(CRC_BLOCK_BYTES)
                 with create_file(partial, bucket.file_name) as dst:
                     path = os.path.join(partial, bucket.file_name)
-                    crc = self.backing.export(bucket, dst, path, self.buffer())
+                    self.backing.export(bucket, dst, path, self.buffer(), crc)
                     fsync(dst, path)
-                files[bucket.file_name] = {"size": bucket.file_size, "crc32": crc}
+                files[bucket.file_name] = {"size": bucket.file_size, "block_crc32": crc.blocks}
             if self.resident_optimizer is not None:
                 files[RESIDENT_FILE] = self._save_resident(partial)
             Manifest(
@@ -157,16 +157,16 @@ class Persistence:
 
     def _save_resident(self, directory: str) -> dict[str, int]:
         # Small (the store warns above resident_warn_elements): one CPU copy per moment.
-        crc, size = 0, 0
+        crc, size = BlockCrc(CRC_BLOCK_BYTES), 0
         path = os.path.join(directory, RESIDENT_FILE)
         with create_file(directory, RESIDENT_FILE) as fd:
             for moment in self._resident_moments():
                 data = moment.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 pwrite_full(fd, path, size, memoryview(data))
-                crc = zlib.crc32(data, crc)
+                crc.update(data)
                 size += len(data)
             fsync(fd, path)
-        return {"size": size, "crc32": crc}
+        return {"size": size, "block_crc32": crc.blocks}
 
     # ---- load --------------------------------------------------------------------
 
@@ -285,32 +285,36 @@ class Persistence:
         return problems
 
     def _copy_buckets(self, source: str, manifest: Manifest) -> None:
-        """Copy every bucket file into the backing (``backing.restore``), checking each CRC-32."""
+        """Copy every bucket file into the backing (``backing.restore``), checking its checksums."""
         for bucket in self.buckets:
             path = os.path.join(source, bucket.file_name)
+            crc = BlockCrc(manifest.block_bytes)
             fd = open_file(path, os.O_RDONLY)
             try:
-                crc = self.backing.restore(bucket, fd, path, self.buffer())
+                self.backing.restore(bucket, fd, path, self.buffer(), crc)
             finally:
                 os.close(fd)
-            _check_crc(path, crc, manifest.files[bucket.file_name]["crc32"])
+            _check_crc(path, crc, manifest, bucket.file_name)
 
     def _verify_buckets(self, source: str, manifest: Manifest) -> None:
-        """Read every bucket file once, checking its CRC-32; nothing is copied."""
+        """Read every bucket file once, checking its checksums; nothing is copied."""
         for bucket in self.buckets:
             path = os.path.join(source, bucket.file_name)
+            crc = BlockCrc(manifest.block_bytes)
             fd = open_file(path, os.O_RDONLY)
             try:
-                crc = copy_file_crc32(fd, path, None, "", bucket.file_size, self.buffer().view)
+                copy_file_crc32(fd, path, None, "", bucket.file_size, self.buffer().view, crc)
             finally:
                 os.close(fd)
-            _check_crc(path, crc, manifest.files[bucket.file_name]["crc32"])
+            _check_crc(path, crc, manifest, bucket.file_name)
 
     def _read_resident(self, source: str, manifest: Manifest) -> bytes:
         path = os.path.join(source, RESIDENT_FILE)
         with os.fdopen(open_file(path, os.O_RDONLY), "rb") as f:
             data = f.read()
-        _check_crc(path, zlib.crc32(data), manifest.files[RESIDENT_FILE]["crc32"])
+        crc = BlockCrc(manifest.block_bytes)
+        crc.update(data)
+        _check_crc(path, crc, manifest, RESIDENT_FILE)
         if len(data) != self._resident_bytes_after(manifest.data["resident_state"]):
             raise CheckpointMismatchError(f"{path} holds {len(data)} bytes, not the moments its state describes")
         return data
@@ -337,11 +341,10 @@ class Persistence:
             offset += n
 
 
-def _check_crc(path: str, crc: int, expected: int) -> None:
-    if crc != expected:
-        raise CheckpointMismatchError(
-            f"{path}: CRC-32 {crc:#010x} does not match the manifest's {expected:#010x}: the checkpoint is corrupt"
-        )
+def _check_crc(path: str, crc: BlockCrc, manifest: Manifest, name: str) -> None:
+    mismatch = crc_mismatch(crc.blocks, manifest.crcs(name), manifest.block_bytes)
+    if mismatch:
+        raise CheckpointMismatchError(f"{path}: {mismatch}: the checkpoint is corrupt")
 
 
 # ---- the master's param-group options ---------------------------------------------

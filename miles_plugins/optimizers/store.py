@@ -154,7 +154,7 @@ class StreamingStore:
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
                 config.name,
-                _description(config, self.buckets, resident_mains, backend.master, topology or {}),
+                _description(config, self.entries, self.buckets, self._resident_entries, backend.master, topology),
                 self.buckets,
                 self._backing,
                 self._bucket_optimizers,
@@ -495,16 +495,23 @@ def _log_setup(store: StreamingStore) -> None:
         )
 
 
-def _description(config: StreamConfig, buckets, resident_mains, master, topology: dict) -> dict:
-    """What a checkpoint of this store records and a load must match (``manifest.COMPARED_FIELDS``)."""
+def _description(config: StreamConfig, entries, buckets, resident_entries, master, topology: dict | None) -> dict:
+    """What a checkpoint of this store records and a load must match (``manifest.COMPARED_FIELDS``),
+    and which elements of which param each entry holds (``pieces``, not compared)."""
+
+    def pieces(indices: Sequence[int]) -> list:
+        return [[entries[i].name, entries[i].start] for i in indices]
+
     return {
         "store": config.name,
         "main_dtype": "fp32" if config.main_storage == "fp32" else "fp32 as bf16 param + int16 remainder",
         "moment_dtype": config.moment_dtype,
         "moment_format": quant8.FORMAT_ID if config.blockwise_moments else None,
-        "topology": dict(topology),
+        "topology": dict(topology or {}),
         "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
-        "resident_numels": [main.numel() for main in resident_mains],
+        "resident_numels": [entries[i].main.numel() for i in resident_entries],
+        "pieces": [pieces(b.entry_indices) for b in buckets],
+        "resident_pieces": pieces(resident_entries),
         "optimizer_class": f"{type(master).__module__}.{type(master).__qualname__}",
     }
 

@@ -63,7 +63,7 @@ class StreamedOptimizer:
         self.optimizer = optimizer
         entries = []
         for group_index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
+            for index, param in enumerate(group["params"]):
                 if param.dtype == torch.float32:
                     main = param
                 else:
@@ -71,7 +71,7 @@ class StreamedOptimizer:
                     # param one bucket at a time, so all mains never exist at once.
                     main = torch.empty(param.shape, dtype=torch.float32, device=param.device)
                     main.untyped_storage().resize_(0)
-                entries.append(Entry(param=param, main=main, group_index=group_index))
+                entries.append(Entry(param=param, main=main, group_index=group_index, name=f"{group_index}.{index}"))
         self.store = StreamingStore(
             entries,
             backend_for(optimizer),

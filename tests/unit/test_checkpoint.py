@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import zlib
 
 import pytest
 import torch
@@ -56,6 +57,22 @@ def rewrite_manifest(path, change, sign=True):
     if sign:
         data[CHECKSUM_KEY] = checksum(data)
     path.write_text(json.dumps(data))
+
+
+def as_format(store, version):
+    """A manifest change that makes it one of an older format: one CRC-32 per file
+    (before format 3), no checksum of its own (format 1)."""
+
+    def change(data):
+        data["format_version"] = version
+        del data["crc_block_bytes"]
+        if version < 2:
+            del data[CHECKSUM_KEY]
+        for name, entry in data["files"].items():
+            entry["crc32"] = zlib.crc32((store / name).read_bytes())
+            del entry["block_crc32"]
+
+    return change
 
 
 def state_of(model, streamed):
@@ -254,7 +271,10 @@ def test_flipped_byte_fails_the_checksum_before_anything_is_loaded(tmp_path, sav
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier=tier)
     train(model, optimizer, scheduler, range(1))  # some live state to keep
     before = state_of(model, streamed)
-    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32") as info:
+    corrupt = (
+        r"bucket_00002.bin: the CRC-32 of 1 of its 1 blocks of 4194304 bytes .*\(first: block 0, bytes 0-4194303\)"
+    )
+    with pytest.raises(CheckpointMismatchError, match=corrupt) as info:
         streamed.load_from(str(saved))
     assert_same_training(before, state_of(model, streamed))
     assert streamed.store.steps_taken == 1
@@ -281,7 +301,7 @@ def test_missing_manifest_is_refused(tmp_path, saved, fault_report):
 @pytest.mark.parametrize("name", ["../evil.bin", "/etc/passwd", ".hidden"])
 def test_manifest_naming_files_outside_its_directory_is_refused(tmp_path, saved, fault_report, name):
     rewrite_manifest(
-        saved / "rank0" / MANIFEST_NAME, lambda data: data["files"].update({name: {"size": 1, "crc32": 0}})
+        saved / "rank0" / MANIFEST_NAME, lambda data: data["files"].update({name: {"size": 1, "block_crc32": [0]}})
     )
     message = refusal(tmp_path, saved)
     assert f"names a file outside its directory: {name!r}" in message
@@ -368,7 +388,7 @@ def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, 
         return real(self, source, manifest)
 
     monkeypatch.setattr(persistence.Persistence, "_copy_buckets", copy_then_fail)
-    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: CRC-32"):
+    with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: the CRC-32 of 1 of its 1 blocks"):
         streamed.load_from(str(saved))
     loss_fn(model, 0).backward()
     with pytest.raises(StoreUnusableError, match="no consistent state: loading .* failed after the live state began"):
@@ -376,15 +396,11 @@ def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, 
     streamed.close()
 
 
-def test_a_format_1_manifest_still_loads(tmp_path, saved):
-    """Checkpoints written before manifests carried their own checksum."""
-    from miles_plugins.optimizers.manifest import CHECKSUM_KEY as KEY
-
-    def to_version_1(data):
-        data["format_version"] = 1
-        del data[KEY]
-
-    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, to_version_1, sign=False)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_manifest_of_an_older_format_still_loads(tmp_path, saved, version):
+    """Checkpoints written before files had a checksum per block (format 2: one
+    CRC-32 per file) and before manifests carried their own checksum (format 1)."""
+    rewrite_manifest(saved / "rank0" / MANIFEST_NAME, as_format(saved / "rank0", version), sign=version >= 2)
     model, optimizer, scheduler, streamed = resume(tmp_path, saved)
     assert streamed.load_from(str(saved))
     train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
@@ -397,8 +413,8 @@ def test_a_checkpoint_with_a_removed_moment_dtype_is_refused_saying_why(tmp_path
     """An old (format 1) checkpoint that stored its moments unscaled in a narrow dtype."""
 
     def old_narrow_save(data):
-        data.update(format_version=1, moment_dtype=removed)
-        del data[CHECKSUM_KEY]
+        as_format(saved / "rank0", 1)(data)
+        data["moment_dtype"] = removed
 
     rewrite_manifest(saved / "rank0" / MANIFEST_NAME, old_narrow_save, sign=False)
     message = refusal(tmp_path, saved)

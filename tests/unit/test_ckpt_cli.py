@@ -63,7 +63,7 @@ def test_a_flipped_byte_is_reported_with_its_file_and_exit_1(checkpoint):
     path.write_bytes(bytes(data))
     result = _inspect("inspect", str(checkpoint))
     assert result.returncode == 1
-    assert f"PROBLEM: {path.name} fails its CRC-32" in result.stdout
+    assert f"PROBLEM: {path.name} fails its checksum: the CRC-32 of 1 of its" in result.stdout
     assert "1 of 2 saved stores verify" in result.stdout
 
 
@@ -129,3 +129,28 @@ def test_a_rank_without_a_store_is_reported(checkpoint):
     shutil.rmtree(state / "rank1.opt0")
     result = _inspect("inspect", str(checkpoint))
     assert result.returncode == 1 and "the run had 2 ranks; no store for rank(s) [1]" in result.stdout
+
+
+def test_block_checksums_are_each_blocks_crc32_however_the_bytes_arrive():
+    """What a partial read verifies: the CRC-32 of each block, independent of how the
+    stream was cut into reads (zlib over each block is the reference)."""
+    import random
+    import zlib
+
+    from miles_plugins.optimizers.io import BlockCrc
+    from miles_plugins.optimizers.manifest import crc_mismatch
+
+    data = random.Random(0).randbytes(10_000)
+    for block in (4096, 3000, 10_000, 20_000):
+        crc, at = BlockCrc(block), 0
+        for size in [1, 4095, 5000, 7, 4096, 10_000]:
+            crc.update(data[at : at + size])
+            at += size
+        assert crc.blocks == [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
+    whole = BlockCrc(None)
+    whole.update(data[:3])
+    whole.update(data[3:])
+    assert whole.blocks == [zlib.crc32(data)]
+    assert BlockCrc(None).blocks == [0] and BlockCrc(4096).blocks == []  # an empty file, both forms
+    bad = crc_mismatch([1, 2, 3], [1, 9, 3], 4096)
+    assert bad.startswith("the CRC-32 of 1 of its 3 blocks of 4096 bytes") and "block 1, bytes 4096-8191" in bad

@@ -12,6 +12,7 @@ arming then run unchanged. The GPU tier runs the same paths under a real DDP
 model and ``get_megatron_optimizer``.
 """
 
+import json
 import logging
 import os
 import types
@@ -69,6 +70,7 @@ def dp1_distributed_optimizer(seed: int = 0):
         {key: [{"param_map": DistributedOptimizer._build_model_gbuf_param_range_map(world_index, Range(0, total), 0)}]}
     ]
     opt.model_param_gbuf_map = {p: (0, key, 0) for p in params}
+    opt.model_chunks = [torch.nn.ParameterList(params)]  # the model, as Megatron names its params
     opt.buffers = [types.SimpleNamespace(buckets=[types.SimpleNamespace(param_data=buffer)])]
     mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
     opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
@@ -122,6 +124,16 @@ def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path):
             and same_bytes(exp_avg, state["exp_avg"])
             and same_bytes(exp_avg_sq, state["exp_avg_sq"])
         )
+    binding.store.close()
+
+
+def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp_path):
+    opt, params, binding = bind(tmp_path)
+    binding.save_to(str(tmp_path / "ckpt"))
+    saved = json.loads((tmp_path / "ckpt" / "rank0" / "manifest.json").read_text())
+    # The name is the param's model chunk and its name in the model; at DP=1 each entry is a whole param.
+    assert [piece for bucket in saved["pieces"] for piece in bucket] == [[f"0/{i}", 0] for i in range(len(SHAPES))]
+    assert [n for bucket in saved["layout"] for n in bucket["numels"]] == [p.numel() for p in params]
     binding.store.close()
 
 
@@ -251,3 +263,4 @@ def test_streaming_an_optimizer_twice_is_refused(tmp_path):
         attach(opt, StreamConfig(directory=str(tmp_path / "again")))
     assert not (tmp_path / "again").exists()
     binding.store.close()
+
