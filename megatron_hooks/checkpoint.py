@@ -119,9 +119,13 @@ def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
     if not stores:
         return
     directory = state_dir(checkpoint_name, ckpt_type)
+    loaded = False
     for store in stores:
         if store.load_from(directory):
+            loaded = True
             _expect_continuation(args, store, iteration_dir(checkpoint_name, ckpt_type))
+    if loaded:
+        _check_legacy_count(args, iteration_dir(checkpoint_name, ckpt_type))
 
 
 # Stores loaded from a checkpoint that have not stepped since -> (the iteration
@@ -170,6 +174,26 @@ def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) 
         before_next_step(check)
 
 
+def _check_legacy_count(args: Any, directory: str) -> None:
+    """Refuse, at the load, the known case of :func:`_expect_continuation` for callers
+    that keep ``load_checkpoint``'s iteration to themselves (miles does): with
+    ``--ckpt-format torch`` and the distributed optimizer, Megatron counts from the
+    iteration its tracker file names, whatever iteration was loaded."""
+    if getattr(args, "ckpt_format", None) != "torch" or not getattr(args, "use_distributed_optimizer", False):
+        return
+    loaded = _iteration_of(directory)
+    if loaded is None or getattr(args, "override_ckpt_iteration", None) is not None:
+        return
+    tracker = os.path.join(os.path.dirname(directory), "latest_checkpointed_iteration.txt")
+    try:
+        with open(tracker) as f:
+            counted = f.read().strip()
+    except OSError:
+        return  # Megatron read it a moment ago; without it there is nothing to compare
+    if counted.isdigit() and int(counted) != loaded:
+        raise RuntimeError(_continuation_error(loaded, directory, int(counted)))
+
+
 def _check_continuation(loaded: int, directory: str, args: Any) -> None:
     current = getattr(args, "iteration", None)
     if current is not None and current != loaded:
@@ -182,8 +206,9 @@ def _continuation_error(loaded: int, directory: str, current: int) -> str:
         f"from iteration {current}: the optimizer state, and the params loaded with it, do not belong to the "
         "iteration this run counts from. With --ckpt-format torch and the distributed optimizer, Megatron "
         "ignores --ckpt-step for its iteration (it re-reads the latest checkpointed iteration); use "
-        "--ckpt-format torch_dist, load the latest iteration, or --override-ckpt-iteration to count from "
-        "another one on purpose (or if the iteration directory was renamed)"
+        "--ckpt-format torch_dist, or load the latest iteration; where this Megatron has "
+        "--override-ckpt-iteration, it counts from another iteration on purpose (or if the iteration "
+        "directory was renamed)"
     )
 
 

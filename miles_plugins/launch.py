@@ -22,8 +22,9 @@ Nothing is imported ahead of the script: each module is wrapped right after
 its own code has run, when the script first imports it. Streaming still needs
 the checkpoint hooks of the patch series in the tree (``make apply-patches``):
 with ``--stream-optimizer-state-to-disk`` on the command line, the tree's
-``megatron.training.checkpointing`` is imported before the script starts to
-check them, and an unpatched tree is refused. Also refused: the flag given but
+``megatron.training.checkpointing`` is checked when the script parses its
+arguments (its ``sys.path`` set up as it wants, nothing built yet), and an
+unpatched tree is refused. Also refused: the flag given but
 dropped by Megatron's parsing (``--yaml-cfg`` replaces the command line);
 Megatron's training loop starting without an optimizer built through
 ``setup_model_and_optimizer``; a script that never parses its arguments
@@ -168,6 +169,15 @@ def _wrap_parse(original: Callable) -> Callable:
 
         hooks = _current
         hooks.parse_called = True
+        if hooks.flag_given:
+            # Before the script spends minutes building its model: an unpatched tree
+            # would save checkpoints without the streamed state.
+            from megatron_hooks.checkpoint import HooksNotInstalledError, check_patched
+
+            try:
+                check_patched()
+            except HooksNotInstalledError as exc:
+                raise LaunchError(str(exc)) from exc
         # Before anything is built: training must be wrapped by now, even if its
         # import went around the finder (another finder resolved it first, say).
         training = sys.modules.get("megatron.training.training")
@@ -225,26 +235,26 @@ def _mark(wrapper: Callable, original: Callable) -> Callable:
 
 def run(script: str, script_args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``script_args``, hooks installed."""
-    from megatron_hooks.checkpoint import HooksNotInstalledError, check_patched
-
     # As `python SCRIPT.py`: the script's real directory, not the working directory, comes first.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     global _current
     hooks = _current = _Hooks(script_args)
     install()
-    if hooks.flag_given:
-        # Before the script spends minutes building its model: an unpatched tree
-        # would save checkpoints without the streamed state.
-        try:
-            check_patched()
-        except HooksNotInstalledError as exc:
-            raise LaunchError(str(exc)) from exc
     sys.argv = [script, *script_args]
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+    if hooks.streaming and not hooks.optimizers:
+        # An evaluation-only run builds no optimizer, and that is fine; a script with
+        # its own optimizer looks the same from here, so say that nothing streamed.
+        print(
+            f"miles_plugins.launch: warning: {STREAM_FLAG} was on, but {script} built no optimizer through "
+            "megatron.training's setup_model_and_optimizer, so no optimizer state streamed. A script that builds "
+            "its own optimizer must call setup_optimizer_state_streaming(args, optimizer) itself",
+            file=sys.stderr,
+        )
     if hooks.flag_given and not hooks.parse_called:
         raise LaunchError(
             f"{script} never parsed its arguments through megatron.training.arguments.parse_args, so "

@@ -494,7 +494,8 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
 
     Each chained optimizer gets its own store under ``config.directory``, named
     ``<config.name>.opt<position in chain>``: the dense and expert optimizers may
-    share an instance id, never a directory. All optimizers are checked before
+    share an instance id, never a directory. The stores share the rank's staging
+    budget (``config.staging_budget_mb``) evenly. All optimizers are checked before
     any is bound, so a refusal leaves every one of them as it was. A failure
     after binding began (e.g. an I/O error writing the initial mains) closes the
     stores already made and re-raises: the optimizer is then unusable.
@@ -504,12 +505,31 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
         check_supported(member)
     if members:
         check_upstream()
+    share = _staging_share(config, len(members))
     bindings: list[MegatronBinding] = []
     try:
         for index, member in members:
-            bindings.append(MegatronBinding(member, dataclasses.replace(config, name=f"{config.name}.opt{index}")))
+            member_config = dataclasses.replace(config, name=f"{config.name}.opt{index}", staging_budget_mb=share)
+            bindings.append(MegatronBinding(member, member_config))
     except BaseException:
         for binding in bindings:
             binding.store.close()
         raise
     return bindings
+
+
+def _staging_share(config: StreamConfig, stores: int) -> int:
+    """Each store's part of the rank's staging budget: the budget bounds the rank's
+    pinned host memory (what miles documents for --offload-train-disk-chunk-mb),
+    whether the chain holds one optimizer or a dense and an expert one."""
+    share = config.staging_budget_mb // max(stores, 1)
+    if stores > 1:
+        try:
+            dataclasses.replace(config, staging_budget_mb=share)  # validates it
+        except StreamConfigError as exc:
+            raise StreamConfigError(
+                f"the staging budget (--offload-train-disk-chunk-mb, staging_budget_mb) of "
+                f"{config.staging_budget_mb} MiB is shared by this rank's {stores} distributed optimizers "
+                f"(dense and expert), {share} MiB each: {exc}"
+            ) from None
+    return share

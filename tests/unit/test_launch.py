@@ -133,13 +133,30 @@ def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_bu
     assert "optimizer built" in result.stdout and "training" not in result.stdout.splitlines()
 
 
-def test_an_unpatched_tree_is_refused_before_the_script_runs(tmp_path):
+def test_an_unpatched_tree_is_refused_when_the_script_parses_its_arguments(tmp_path):
     result = _launch(_tree(tmp_path, patched=False), "--stream-optimizer-state-to-disk")
     assert result.returncode == 1
     assert "lacks the optimizer-state checkpoint hooks" in result.stderr and "make apply-patches" in result.stderr
     assert "argv0" not in result.stdout
     # Without streaming the launcher does not care.
     assert _launch(str(tmp_path / "pretrain.py")).returncode == 0
+
+
+def test_a_script_that_puts_the_tree_on_sys_path_itself_is_checked_against_that_tree(tmp_path):
+    """As Megatron-LM's examples/multimodal/train.py does: the tree is importable only
+    once the script has run its first lines."""
+    _tree(tmp_path)
+    script = tmp_path / "examples" / "multimodal" / "train.py"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        "import os, sys\n"
+        "sys.path.append(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir))\n"
+        + textwrap.dedent(PRETRAIN)
+    )
+    result = _launch(str(script), "--stream-optimizer-state-to-disk")
+    # The tree passed the check; streaming then refuses the stand-in's arguments, as it should.
+    assert "--use-distributed-optimizer is off" in result.stderr, result.stderr
+    assert f"argv0 {script}" in result.stdout and "optimizer built" in result.stdout
 
 
 def test_a_script_that_parses_its_own_arguments_is_refused(tmp_path):
@@ -212,6 +229,8 @@ def test_help_and_runs_that_build_no_optimizer_exit_cleanly(tmp_path):
     )
     result = _launch(evaluate_only, "--stream-optimizer-state-to-disk")
     assert result.returncode == 0 and "evaluated" in result.stdout, result.stderr
+    # It cannot tell such a run from one with an optimizer of its own: it says nothing streamed.
+    assert "built no optimizer through megatron.training's setup_model_and_optimizer" in result.stderr
 
 
 def test_a_flag_megatrons_parsing_drops_is_refused(tmp_path):

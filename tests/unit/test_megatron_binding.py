@@ -264,3 +264,28 @@ def test_streaming_an_optimizer_twice_is_refused(tmp_path):
     assert not (tmp_path / "again").exists()
     binding.store.close()
 
+
+def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path, monkeypatch):
+    """The budget bounds the rank's pinned host memory (miles documents
+    --offload-train-disk-chunk-mb so), however many optimizers the chain holds."""
+    from miles_plugins.optimizers import megatron
+
+    # The patched-tree and drift checks need megatron.training, which the 0.16 wheel here lacks.
+    monkeypatch.setattr(megatron, "check_upstream", lambda: None)
+    attach = megatron.attach
+
+    chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
+    config = StreamConfig(directory=str(tmp_path / "scratch"), name="rank0", staging_budget_mb=256)
+    bindings = attach(chain, config)
+    try:
+        assert [b.store.config.staging_budget_mb for b in bindings] == [128, 128]
+        assert sum(b.store.config.staging_bytes_total for b in bindings) <= 256 << 20
+    finally:
+        for binding in bindings:
+            binding.store.close()
+    chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
+    small = StreamConfig(directory=str(tmp_path / "scratch2"), name="rank0", staging_budget_mb=6)
+    with pytest.raises(
+        StreamConfigError, match="6 MiB is shared by this rank's 2 distributed optimizers .* 3 MiB each"
+    ):
+        attach(chain, small)
