@@ -194,6 +194,8 @@ def _short(value: Any, limit: int = 200) -> str:
 def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
     """Every compared field where ``saved`` and ``live`` differ, described."""
     found = []
+    if "shard_peers" not in (saved.get("topology") or {}):  # saved before topologies named them
+        live = {**live, "topology": {k: v for k, v in (live.get("topology") or {}).items() if k != "shard_peers"}}
     for key, label in COMPARED_FIELDS:
         if saved.get(key) == live.get(key):
             continue
@@ -212,6 +214,12 @@ def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
                 f"{k} {s.get(k)} -> {v.get(k)}" for k in sorted(set(s) | set(v)) if s.get(k) != v.get(k)
             )
             found.append(f"{label} differs (checkpoint -> this run): {changed}")
+            if s.get("shard_peers") != v.get("shard_peers"):
+                found.append(
+                    "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is not resharded, "
+                    "only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or start "
+                    "the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
+                )
         else:
             found.append(
                 f"{label} differs: checkpoint has {_short(saved.get(key))}, this run has {_short(live.get(key))}"

@@ -226,7 +226,32 @@ class MegatronBinding:
         from megatron.core import parallel_state as mpu
 
         opt = self.dist_opt
+        # The expert optimizer's params are split by expert-TP and EP rank; the dense
+        # ones are replicated across EP ranks (they shard over the whole DP group).
+        expert = any(
+            not getattr(p, "allreduce", True)
+            for group in opt.model_float16_groups + opt.model_fp32_groups
+            for p in group
+        )
+        if expert:
+            peers = {
+                "expert_tp_size": mpu.get_expert_tensor_parallel_world_size(),
+                "expert_tp_rank": mpu.get_expert_tensor_parallel_rank(),
+                "ep_size": mpu.get_expert_model_parallel_world_size(),
+                "ep_rank": mpu.get_expert_model_parallel_rank(),
+            }
+        else:
+            peers = {
+                "tp_size": mpu.get_tensor_model_parallel_world_size(),
+                "tp_rank": mpu.get_tensor_model_parallel_rank(),
+                "ep_size": mpu.get_expert_model_parallel_world_size(),
+            }
+        peers.update(
+            pp_size=mpu.get_pipeline_model_parallel_world_size(), pp_rank=mpu.get_pipeline_model_parallel_rank()
+        )
         return {
+            # The saves this rank's state can be resharded from name the same peers (reshard_load.py).
+            "shard_peers": peers,
             "world_size": torch.distributed.get_world_size(),
             "tp_size": mpu.get_tensor_model_parallel_world_size(),
             "tp_rank": mpu.get_tensor_model_parallel_rank(),

@@ -52,6 +52,7 @@ from miles_plugins.optimizers.fs import (
 from miles_plugins.optimizers.io import BlockCrc, HostMemory, copy_file_crc32, pwrite_full
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
+from miles_plugins.optimizers.reshard_load import ReshardedLoad, can_reshard_from, find_peers
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,15 @@ class Persistence:
         ``mark_damaged(reason)`` is called when a failure comes after the live
         state began to change."""
         source = self._source(base_dir)
-        if source is None:
+        manifest = Manifest.read(source) if source is not None else None
+        if manifest is None or (
+            differences(manifest.data, self.description) and can_reshard_from(manifest.data, self.description)
+        ):
+            # Saved under another data-parallel sharding (or by other ranks only).
+            peers = find_peers(base_dir, self.name, self.description)
+            if peers:
+                return self._load_resharded(peers, mark_damaged, expected_steps)
+        if manifest is None:
             logger.warning(
                 "no saved optimizer state for %s in %s (looked for %s): nothing loaded",
                 self.name,
@@ -187,7 +196,6 @@ class Persistence:
             )
             return None
         start = time.perf_counter()
-        manifest = Manifest.read(source)
         problems = self._problems(source, manifest)
         steps = manifest.data.get("steps_taken")
         if not problems and expected_steps is not None and steps != expected_steps:
@@ -229,6 +237,65 @@ class Persistence:
             time.perf_counter() - start,
         )
         return manifest.data["steps_taken"]
+
+    def _load_resharded(self, peers, mark_damaged: Callable[[str], None], expected_steps: int | None) -> int:
+        """:meth:`load` from the saves of this optimizer's peers under another
+        data-parallel sharding (``reshard_load.py``); the same transaction."""
+        start = time.perf_counter()
+        load = ReshardedLoad(self, peers)
+        problems = []
+        if expected_steps is not None and load.steps != expected_steps:
+            problems.append(
+                f"the saved stores hold the state after step {load.steps}, the checkpoint's optimizer state dict "
+                f"was saved after step {expected_steps}: they come from different saves"
+            )
+        states = load.bucket_states()
+        for bucket, optimizer, state in zip(self.buckets, self.bucket_optimizers, states, strict=True):
+            problems += [f"bucket {bucket.index}: {p}" for p in optimizer.check_state(state)]
+        resident_state = load.resident_state() if self.resident_optimizer is not None else None
+        if resident_state is not None:
+            problems += [f"resident params: {p}" for p in self.resident_optimizer.check_state(resident_state)]
+        exceptions = load.exceptions() if self.remainder else None
+        if exceptions is not None:
+            problems += self.codec.check(exceptions, self.buckets)
+        options = peers[0].data.get("master_options")
+        if self.master_groups and options is not None:
+            problems += _check_options(options, self.master_groups)
+        if problems:
+            raise CheckpointMismatchError(
+                f"cannot reshard the streamed optimizer state from {len(peers)} saved stores:\n  - "
+                + "\n  - ".join(problems)
+            )
+        resident = load.resident_bytes(resident_state) if resident_state is not None else None
+        spare = self.backing.keeps_previous_state
+        load.write_buckets(write=spare)  # disk: into the spare slots; host: a first pass that verifies
+        try:
+            # The commit: from here on the live state changes.
+            if not spare:
+                load.write_buckets(write=True)
+            self.backing.commit()
+            for optimizer, state in zip(self.bucket_optimizers, states, strict=True):
+                optimizer.import_state(state, materialize=False)
+            if resident_state is not None:
+                self._restore_resident(resident_state, resident)
+            if exceptions is not None:
+                self.codec.restore(exceptions)
+            if self.master_groups and options is not None:
+                _restore_options(options, self.master_groups)
+        except BaseException as exc:
+            mark_damaged(
+                f"resharding from {len(peers)} saved stores failed after the live state began to change ({exc})"
+            )
+            raise
+        logger.info(
+            "resharded the streamed optimizer state %s (step %d) from %d saved stores (%s) in %.2f s",
+            self.name,
+            load.steps,
+            len(peers),
+            ", ".join(os.path.basename(p.directory) for p in peers),
+            time.perf_counter() - start,
+        )
+        return load.steps
 
     def _source(self, base_dir: str) -> str | None:
         """The saved directory to load: ``<name>``, or the previous save a replace

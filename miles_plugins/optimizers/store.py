@@ -500,7 +500,7 @@ def _description(config: StreamConfig, entries, buckets, resident_entries, maste
     and which elements of which param each entry holds (``pieces``, not compared)."""
 
     def pieces(indices: Sequence[int]) -> list:
-        return [[entries[i].name, entries[i].start] for i in indices]
+        return [[entries[i].name, entries[i].start, entries[i].group_index] for i in indices]
 
     return {
         "store": config.name,

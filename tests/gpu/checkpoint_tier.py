@@ -7,16 +7,14 @@ series was applied to::
     torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase save --work W --format torch_dist
     torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase resume --work W --format torch_dist
     torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase refuse --work W
-    torchrun --nproc-per-node=2 -m tests.gpu.checkpoint_tier --phase refuse-dp --work W
 
 - ``reference``: an uninterrupted *resident* run of 2K steps (the independent
   reference), and a checkpoint saved at step K without streaming.
 - ``save``: streamed K steps, then ``save_checkpoint``.
 - ``resume``: a new process streams, ``load_checkpoint``s, trains K more steps;
   params, mains, moments and losses must equal the reference byte for byte.
-- ``refuse`` / ``refuse-dp``: loads that must be refused, each with its reason:
-  another moment dtype, a checkpoint written without streaming, a truncated
-  bucket file, another data-parallel size.
+- ``refuse``: loads that must be refused, each with its reason: another moment
+  dtype, a checkpoint written without streaming, a truncated bucket file.
 
 Every phase writes ``<work>/<phase>[-<format>].json``.
 """
@@ -201,14 +199,9 @@ def phase_refuse(work: str) -> dict:
     }
 
 
-def phase_refuse_dp(work: str) -> dict:
-    megatron_args(work, "torch_dist", os.path.join(work, "ckpt_torch_dist"))
-    return {"dp_size": refused(work, "dp", os.path.join(work, "ckpt_torch_dist"))}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", required=True, choices=["reference", "save", "resume", "refuse", "refuse-dp"])
+    parser.add_argument("--phase", required=True, choices=["reference", "save", "resume", "refuse"])
     parser.add_argument("--work", required=True)
     parser.add_argument("--format", default="torch_dist", choices=["torch_dist", "torch"])
     args = parser.parse_args()
@@ -221,7 +214,6 @@ def main() -> None:
         "save": lambda: phase_save(args.work, args.format),
         "resume": lambda: phase_resume(args.work, args.format),
         "refuse": lambda: phase_refuse(args.work),
-        "refuse-dp": lambda: phase_refuse_dp(args.work),
     }[args.phase]
     result = run()
     per_rank = [None] * dist.get_world_size()

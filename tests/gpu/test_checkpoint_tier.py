@@ -83,9 +83,3 @@ def test_loads_that_do_not_match_are_refused_with_their_reason(work, saved):
     assert fresh["iteration"] == 6 and fresh["steps_after_load"] == [0] and fresh["warned"], fresh
     assert fresh["mains_are_loaded_params"] and fresh["moments_fresh"], fresh
     assert len(fresh["losses_after"]) == 2 and all(loss == loss for loss in fresh["losses_after"]), fresh
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_different_data_parallel_size_is_refused(work, saved):
-    refusals = phase(work, "refuse-dp", nproc=2)
-    assert all("dp_size 1 -> 2" in r["dp_size"] or "holds no state" in r["dp_size"] for r in refusals), refusals

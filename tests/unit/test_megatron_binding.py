@@ -131,8 +131,11 @@ def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp
     opt, params, binding = bind(tmp_path)
     binding.save_to(str(tmp_path / "ckpt"))
     saved = json.loads((tmp_path / "ckpt" / "rank0" / "manifest.json").read_text())
-    # The name is the param's model chunk and its name in the model; at DP=1 each entry is a whole param.
-    assert [piece for bucket in saved["pieces"] for piece in bucket] == [[f"0/{i}", 0] for i in range(len(SHAPES))]
+    # [name, start, master group]: the name is the param's model chunk and its name in the model;
+    # at DP=1 each entry is a whole param.
+    assert [piece for bucket in saved["pieces"] for piece in bucket] == [[f"0/{i}", 0, 0] for i in range(len(SHAPES))]
+    # Its peers (the saves a load at another DP size may read): the same TP and PP coordinates.
+    assert saved["topology"]["shard_peers"] == {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "pp_size": 1, "pp_rank": 0}
     assert [n for bucket in saved["layout"] for n in bucket["numels"]] == [p.numel() for p in params]
     binding.store.close()
 

@@ -34,7 +34,7 @@ def _model(seed: int) -> list[list[tuple[str, int]]]:
     ]
 
 
-def _shards(model, dp: int) -> tuple[list[list[Piece]], list[int]]:
+def megatron_shards(model, dp: int) -> tuple[list[list[Piece]], list[int]]:
     """Per DP rank its pieces, in Megatron's sharding at ``dp``; and each bucket's padded size."""
     pieces: list[list[Piece]] = [[] for _ in range(dp)]
     sizes, offset = [], 0
@@ -66,11 +66,11 @@ def test_every_element_comes_from_the_rank_that_saved_it_for_each_dp_n_to_m(seed
     full = _values(model)
     padding_changed = False
     for saved_dp in range(1, 9):
-        saved, saved_sizes = _shards(model, saved_dp)
+        saved, saved_sizes = megatron_shards(model, saved_dp)
         stored = {(r, k): full[p.key][p.start : p.end] for r, pieces in enumerate(saved) for k, p in enumerate(pieces)}
         sources = [((r, k), p) for r, pieces in enumerate(saved) for k, p in enumerate(pieces)]
         for new_dp in range(1, 9):
-            targets, new_sizes = _shards(model, new_dp)
+            targets, new_sizes = megatron_shards(model, new_dp)
             padding_changed |= saved_sizes != new_sizes
             for pieces in targets:
                 for piece, copies in zip(pieces, plan(pieces, sources), strict=True):
@@ -93,9 +93,9 @@ def test_a_piece_spanning_three_saved_ones():
 
 def test_elements_no_saved_rank_holds_are_named():
     model = _model(3)
-    saved, _ = _shards(model, 4)
+    saved, _ = megatron_shards(model, 4)
     sources = [((r, k), p) for r, pieces in enumerate(saved) if r != 2 for k, p in enumerate(pieces)]
-    targets, _ = _shards(model, 1)
+    targets, _ = megatron_shards(model, 1)
     with pytest.raises(RemapError, match=r"param 'b\d\.p\d+': elements \[\d+, \d+\) are in no saved piece"):
         plan(targets[0], sources)
     with pytest.raises(RemapError, match=r"param 'w': elements \[4, 6\) are in no saved piece"):

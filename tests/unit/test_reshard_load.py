@@ -1,0 +1,201 @@
+"""A streamed state saved at DP=N resumes at DP=M, byte for byte.
+
+Each DP rank is a real ``StreamingStore`` over its shard of every param (Megatron's
+sharding, ``test_reshard.megatron_shards``: contiguous ranges of a padded buffer,
+cutting params anywhere), all in one process. The reference is independent: one
+plain ``torch.optim.AdamW`` over the whole fp32 params, never saved or sharded.
+Adam is elementwise, so the sharded runs must match it exactly, before and after
+the resume: mains, both moments, and the bf16 params.
+"""
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
+from miles_plugins.optimizers.adam import backend_for
+from miles_plugins.optimizers.entries import Entry
+from miles_plugins.optimizers.store import StreamingStore
+from tests.unit.reference import same_bytes
+from tests.unit.test_reshard import megatron_shards
+
+# Names, sizes and master groups (decay, no decay, frozen); "norm" is an fp32 param
+# (resident); "tied" holds mains halfway between two bf16 values, which remainder
+# mains keep as exceptions, and its group's lr of 0 keeps them so.
+PARAMS = {"emb": (6000, 0), "w1": (1, 1), "tied": (5000, 2), "w3": (4100, 0), "bias": (130, 1), "norm": (300, 1)}
+FP32 = {"norm"}
+GROUP_LR = (1e-2, 1e-2, 0.0)
+MODEL = [[(name, numel) for name, (numel, _) in PARAMS.items()]]  # one DDP bucket
+DECAY = 0.1
+SAVE_AT, STEPS = 3, 6
+
+
+def grads(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(numel, generator=g) for name, (numel, _) in PARAMS.items()}
+
+
+def initial() -> dict[str, torch.Tensor]:
+    """Every param's fp32 main before the first step."""
+    g = torch.Generator().manual_seed(7)
+    mains = {}
+    for name, (numel, _) in PARAMS.items():
+        value = torch.randn(numel, generator=g)
+        if name not in FP32:
+            value = value.bfloat16().float()
+        if name == "tied":
+            value = (value.view(torch.int32) + 0x8000).view(torch.float32)
+        mains[name] = value
+    return mains
+
+
+def param_groups(mains_of_group) -> list[dict]:
+    return [{"params": mains_of_group(g), "lr": lr, "weight_decay": DECAY * (g == 0)} for g, lr in enumerate(GROUP_LR)]
+
+
+def reference(steps: int):
+    """Whole params, plain AdamW; returns {name: (param, main, exp_avg, exp_avg_sq)}."""
+    mains = initial()
+    optimizer = torch.optim.AdamW(param_groups(lambda g: [m for n, m in mains.items() if PARAMS[n][1] == g]))
+    for step in range(steps):
+        for name, grad in grads(step).items():
+            mains[name].grad = grad
+        optimizer.step()
+    return {
+        n: (m if n in FP32 else m.bfloat16(), m, optimizer.state[m]["exp_avg"], optimizer.state[m]["exp_avg_sq"])
+        for n, m in mains.items()
+    }
+
+
+class Rank:
+    """One DP rank: its params (bf16 shards, or the fp32 param's shard itself) and a store."""
+
+    def __init__(self, tmp_path, dp: int, rank: int, pieces, config: dict) -> None:
+        values = initial()
+        self.entries, self.pieces = [], pieces
+        for piece in pieces:
+            main = values[piece.key][piece.start : piece.start + piece.numel].clone()
+            param = main if piece.key in FP32 else main.bfloat16()
+            group = PARAMS[piece.key][1]
+            self.entries.append(Entry(param, main, group, name=piece.key, start=piece.start))
+        # Entries are listed group by group, as the master's param groups hold them.
+        self.entries.sort(key=lambda e: e.group_index)
+        master = torch.optim.AdamW(param_groups(lambda g: [e.main for e in self.entries if e.group_index == g]))
+        topology = {
+            "shard_peers": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0},
+            "dp_size": dp,
+            "dp_rank": rank,
+        }
+        self.store = StreamingStore(
+            self.entries,
+            backend_for(master),
+            StreamConfig(
+                directory=str(tmp_path / f"scratch_dp{dp}"), name=f"rank{rank}.opt0", bucket_cap_elements=2500, **config
+            ),
+            copy_to_model=lambda e: e.param.copy_(e.main) if e.param is not e.main else None,
+            topology=topology,
+        )
+
+    def step(self, step: int) -> None:
+        full = grads(step)
+        for e in self.entries:
+            e.main.grad = full[e.name][e.start : e.start + e.main.numel()]
+        self.store.step()
+
+    def load_params(self, saved) -> None:
+        for e in self.entries:
+            e.param.copy_(saved[e.name][0][e.start : e.start + e.param.numel()])
+
+    def check(self, expected) -> None:
+        for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
+            e = self.entries[index]
+            cut = slice(e.start, e.start + main.numel())
+            param, ref_main, ref_avg, ref_sq = expected[e.name]
+            assert same_bytes(e.param, param[cut]), e.name
+            assert same_bytes(main, ref_main[cut]) and same_bytes(exp_avg, ref_avg[cut]), e.name
+            assert same_bytes(exp_avg_sq, ref_sq[cut]), e.name
+
+
+def ranks(tmp_path, dp: int, config: dict) -> list[Rank]:
+    shards, _ = megatron_shards(MODEL, dp)
+    return [Rank(tmp_path, dp, r, shards[r], config) for r in range(dp)]
+
+
+CONFIGS = {
+    "disk-fp32": dict(),
+    "disk-remainder": dict(main_storage="remainder"),
+    "host-pipelined": dict(tier="host"),
+    "disk-sync": dict(engine="sync"),
+}
+
+
+@pytest.mark.parametrize("saved_dp, new_dp", [(2, 3), (3, 1), (1, 4), (4, 2), (2, 2)])
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_a_state_saved_at_one_dp_size_resumes_at_another_byte_for_byte(tmp_path, saved_dp, new_dp, config):
+    saving = ranks(tmp_path / "a", saved_dp, CONFIGS[config])
+    for step in range(SAVE_AT):
+        for rank in saving:
+            rank.step(step)
+    for rank in saving:
+        rank.check(reference(SAVE_AT))
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+    resumed = ranks(tmp_path / "b", new_dp, CONFIGS[config])
+    for rank in resumed:
+        rank.load_params(reference(SAVE_AT))  # Megatron's own checkpoint restores (and reshards) the params
+        assert rank.store.load_from(str(tmp_path / "ckpt"), expected_steps=SAVE_AT)
+    for step in range(SAVE_AT, STEPS):
+        for rank in resumed:
+            rank.step(step)
+    expected = reference(STEPS)
+    for rank in resumed:
+        rank.check(expected)
+        rank.store.close()
+
+
+def test_a_saved_rank_missing_is_named_and_nothing_changes(tmp_path):
+    saving = ranks(tmp_path / "a", 3, {})
+    for rank in saving:
+        rank.step(0)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+    import shutil
+
+    shutil.rmtree(tmp_path / "ckpt" / "rank1.opt0")
+    resumed = ranks(tmp_path / "b", 2, {})
+    with pytest.raises(CheckpointMismatchError, match=r"param '\w+': elements \[\d+, \d+\) are in no saved piece"):
+        resumed[0].store.load_from(str(tmp_path / "ckpt"))
+    resumed[0].step(0)  # untouched by the refused load: it steps from its own initial state
+    resumed[0].check(reference(1))
+    for rank in resumed:
+        rank.store.close()
+
+
+def test_a_flipped_byte_in_a_block_read_is_refused(tmp_path):
+    saving = ranks(tmp_path / "a", 2, {})
+    for rank in saving:
+        rank.step(0)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+    path = tmp_path / "ckpt" / "rank0.opt0" / "bucket_00000.bin"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    resumed = ranks(tmp_path / "b", 3, {})
+    with pytest.raises(
+        CheckpointMismatchError, match=r"bucket_00000.bin: block 0: CRC-32 .* the checkpoint is corrupt"
+    ):
+        resumed[0].store.load_from(str(tmp_path / "ckpt"))
+    for rank in resumed:
+        rank.store.close()
+
+
+def test_8bit_moments_are_refused_saying_what_to_do(tmp_path):
+    saving = ranks(tmp_path / "a", 2, dict(moment_dtype="8bit"))
+    for rank in saving:
+        rank.step(0)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+    resumed = ranks(tmp_path / "b", 1, dict(moment_dtype="8bit"))
+    with pytest.raises(CheckpointMismatchError, match=r"8-bit moments cannot be resharded .* \(--no-load-optim\)"):
+        resumed[0].store.load_from(str(tmp_path / "ckpt"))
+    resumed[0].store.close()
