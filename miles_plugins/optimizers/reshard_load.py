@@ -16,7 +16,8 @@ pieces of one param, or refused), group step state, remainder exceptions
 (their indices remapped), the moments of resident fp32 params. Storage
 formats must match the live store's: elementwise segments (fp32 and bf16
 moments, fp32 and remainder mains) are copied byte for byte; blockwise 8-bit
-moments are refused (their blocks would have to be requantized).
+moments are decoded from the saved blocks a range touches and quantized again
+in the new entry's blocks (exact where the blocks coincide).
 
 Like the same-sharding load, it is a transaction: everything is read and
 checked before the live state changes (disk tier: into the spare slots; host
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_plugins.optimizers import quant8
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.fs import open_file
 from miles_plugins.optimizers.io import BlockCrc, pread_full
@@ -189,11 +191,6 @@ class ReshardedLoad:
     # ---- the plan and the small state ------------------------------------------
 
     def _plan(self) -> None:
-        if any(segment.blockwise for bucket in self.p.buckets for segment in bucket.segments.values()):
-            raise CheckpointMismatchError(
-                "8-bit moments cannot be resharded (their blocks would be requantized): resume at the saved "
-                "data-parallel size, or start the optimizer fresh (--no-load-optim)"
-            )
         sources, resident_sources = [], []
         self.source_layouts: list[list[BucketLayout]] = []
         for s, peer in enumerate(self.peers):
@@ -304,22 +301,11 @@ class ReshardedLoad:
                 handle = self.p.backing.open(bucket) if write else None
                 try:
                     for name, segment in bucket.segments.items():
-                        size = segment.dtype.itemsize
                         for k, entry_copies in enumerate(self.copies[b]):
-                            out = bytearray(bucket.numels[k] * size)
-                            for c in entry_copies:
-                                s, sb, sk = c.source
-                                source = self.source_layouts[s][sb]
-                                key = (s, source.file_name)
-                                if key not in files:
-                                    peer = self.peers[s]
-                                    files[key] = VerifiedFile(
-                                        os.path.join(peer.directory, source.file_name), peer.manifest, source.file_name
-                                    )
-                                offset = source.segments[name].entry_offsets[sk] + c.source_offset * size
-                                out[c.target_offset * size : (c.target_offset + c.count) * size] = files[key].read(
-                                    offset, c.count * size
-                                )
+                            if segment.blockwise:
+                                out = self._requantized(name, bucket.numels[k], entry_copies, files)
+                            else:
+                                out = self._copied(name, segment.dtype.itemsize, bucket.numels[k], entry_copies, files)
                             if handle is not None:
                                 self._write(handle, segment.entry_offsets[k], out)
                 finally:
@@ -328,6 +314,51 @@ class ReshardedLoad:
         finally:
             for f in files.values():
                 f.close()
+
+    def _source(self, copy: Copy, files: dict) -> tuple[BucketLayout, VerifiedFile]:
+        """The saved bucket a copy reads from, and its file (opened once per load)."""
+        s, sb, _ = copy.source
+        layout = self.source_layouts[s][sb]
+        if (s, sb) not in files:
+            peer = self.peers[s]
+            path = os.path.join(peer.directory, layout.file_name)
+            files[(s, sb)] = VerifiedFile(path, peer.manifest, layout.file_name)
+        return layout, files[(s, sb)]
+
+    def _copied(self, name: str, size: int, numel: int, copies: Sequence[Copy], files: dict) -> bytearray:
+        """An elementwise segment's stored bytes for one entry: its copies' bytes."""
+        out = bytearray(numel * size)
+        for c in copies:
+            layout, file = self._source(c, files)
+            offset = layout.segments[name].entry_offsets[c.source[2]] + c.source_offset * size
+            out[c.target_offset * size : (c.target_offset + c.count) * size] = file.read(offset, c.count * size)
+        return out
+
+    def _requantized(self, name: str, numel: int, copies: Sequence[Copy], files: dict) -> bytearray:
+        """A blockwise 8-bit segment's stored form for one entry: its copies' values
+        decoded from their saved blocks (or fp32, for saved entries too small to
+        quantize), then quantized in this entry's own blocks. Exact where the
+        blocks are the same; elsewhere one more rounding, as a step's store adds."""
+        signed, sqrt = quant8.MOMENT_FORMATS[name]
+        values = torch.empty(numel, dtype=torch.float32)
+        for c in copies:
+            layout, file = self._source(c, files)
+            sk = c.source[2]
+            offset, saved = layout.segments[name].entry_offsets[sk], layout.numels[sk]
+            target = values[c.target_offset : c.target_offset + c.count]
+            if not quant8.quantizes(saved):
+                target.copy_(_floats(file.read(offset + c.source_offset * 4, c.count * 4)))
+                continue
+            first, last = c.source_offset // quant8.BLOCK, (c.source_offset + c.count - 1) // quant8.BLOCK
+            start, end = first * quant8.BLOCK, min((last + 1) * quant8.BLOCK, saved)
+            codes = torch.frombuffer(bytearray(file.read(offset + start, end - start)), dtype=torch.uint8)
+            scales = _floats(file.read(offset + saved + first * 4, (last - first + 1) * 4))
+            decoded = quant8.dequantize_chunk(codes, scales, signed)
+            if sqrt:
+                decoded.square_()
+            target.copy_(decoded[c.source_offset - start : c.source_offset - start + c.count])
+        quant8.narrow_in_place(values, signed, sqrt)
+        return bytearray(values.view(torch.uint8)[: quant8.stored_nbytes(numel)].numpy().tobytes())
 
     def _write(self, handle, offset: int, data: bytearray) -> None:
         staging = self.p.buffer()
@@ -373,3 +404,7 @@ class ReshardedLoad:
             if data["resident_state"]["params"][gi][j] is not None:
                 offset += 2 * 4 * data["resident_numels"][i]
         return offset
+
+
+def _floats(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32)

@@ -11,7 +11,7 @@ the resume: mains, both moments, and the bf16 params.
 import pytest
 import torch
 
-from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
+from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig, quant8
 from miles_plugins.optimizers.adam import backend_for
 from miles_plugins.optimizers.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
@@ -189,13 +189,43 @@ def test_a_flipped_byte_in_a_block_read_is_refused(tmp_path):
         rank.store.close()
 
 
-def test_8bit_moments_are_refused_saying_what_to_do(tmp_path):
-    saving = ranks(tmp_path / "a", 2, dict(moment_dtype="8bit"))
+def _roundtrip(x: torch.Tensor, moment: str) -> torch.Tensor:
+    """``x`` stored in 8 bits in blocks starting at ``x[0]`` and read back (fp32 below one block)."""
+    if not quant8.quantizes(x.numel()):
+        return x
+    signed, sqrt = quant8.MOMENT_FORMATS[moment]
+    decoded = quant8.dequantize_chunk(*quant8.quantize_chunk(x, signed, sqrt), signed)
+    return decoded.square() if sqrt else decoded
+
+
+@pytest.mark.parametrize("saved_dp, new_dp", [(2, 3), (3, 1)])
+def test_8bit_moments_reshard_by_quantizing_the_saved_values_in_the_new_blocks(tmp_path, saved_dp, new_dp):
+    saving = ranks(tmp_path / "a", saved_dp, dict(moment_dtype="8bit"))
+    # What was saved, gathered in param space: (param, main, exp_avg, exp_avg_sq), moments as stored, decoded.
+    saved = {}
+    for name, (numel, _) in PARAMS.items():
+        saved[name] = [torch.empty(numel, dtype=torch.float32 if name in FP32 else torch.bfloat16)]
+        saved[name] += [torch.empty(numel) for _ in range(3)]
     for rank in saving:
-        rank.step(0)
+        for step in range(2):
+            rank.step(step)
+        for index, *state in rank.store.iter_state():
+            e = rank.entries[index]
+            for full, value in zip(saved[e.name], (e.param, *state), strict=True):
+                full[e.start : e.start + value.numel()] = value
         rank.store.save_to(str(tmp_path / "ckpt"))
         rank.store.close()
-    resumed = ranks(tmp_path / "b", 1, dict(moment_dtype="8bit"))
-    with pytest.raises(CheckpointMismatchError, match=r"8-bit moments cannot be resharded .* \(--no-load-optim\)"):
-        resumed[0].store.load_from(str(tmp_path / "ckpt"))
-    resumed[0].store.close()
+    resumed = ranks(tmp_path / "b", new_dp, dict(moment_dtype="8bit"))
+    for rank in resumed:
+        rank.load_params(saved)
+        assert rank.store.load_from(str(tmp_path / "ckpt"), expected_steps=2)
+        for index, main, exp_avg, exp_avg_sq in rank.store.iter_state():
+            e = rank.entries[index]
+            cut = slice(e.start, e.start + main.numel())
+            assert same_bytes(main, saved[e.name][1][cut]), e.name  # mains stay exact
+            moments = zip((exp_avg, exp_avg_sq), ("exp_avg", "exp_avg_sq"), saved[e.name][2:], strict=True)
+            for moment, name, full in moments:
+                stored = full[cut] if e.name in FP32 else _roundtrip(full[cut], name)  # resident: fp32 moments
+                assert same_bytes(moment, stored), (e.name, name)
+        rank.step(2)  # and it trains on
+        rank.store.close()
