@@ -351,18 +351,29 @@ def validate_args(args: argparse.Namespace) -> None:
     if not _get(args, STREAM_FLAG, False):
         return
     reasons = refusals_of_args(args)
-    budget = _get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        reasons.append(f"--offload-train-disk-chunk-mb is {budget!r}: it must be a positive number of MiB")
     if not _get(args, "offload_train_disk_dir"):
         args.offload_train_disk_dir = default_directory()
     if not reasons:  # the settings themselves (moment dtype, staging budget, ...), as the store will check them
         try:
             config_from_args(args, name="rank0")
         except StreamConfigError as exc:
-            reasons.append(str(exc))
+            flags = [flag for setting, flag in _SETTING_FLAGS.items() if str(exc).startswith(setting)]
+            reasons.append(f"{flags[0]}: {exc}" if flags else str(exc))
     if reasons:
         raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
+
+
+# How StreamConfig's messages begin -> the flag that sets it (its messages name settings, not flags).
+_SETTING_FLAGS = {
+    "staging budget": "--offload-train-disk-chunk-mb",
+    "io threads": "--stream-optimizer-state-io-threads",
+    "buckets in flight": "--stream-optimizer-state-buckets-in-flight",
+    "bucket cap": "--stream-optimizer-state-bucket-cap",
+    "io timeout": "--stream-optimizer-state-io-timeout",
+    "moment dtype": "--stream-optimizer-state-moment-dtype",
+    "unknown moment dtype": "--stream-optimizer-state-moment-dtype",
+    "directory": "--offload-train-disk-dir",
+}
 
 
 def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:

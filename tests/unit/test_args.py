@@ -1,6 +1,7 @@
 """The argument layer: real-world flag combinations accepted, the refused ones refused with reasons."""
 
 import argparse
+import re
 
 import pytest
 
@@ -205,3 +206,22 @@ def test_under_miles_the_store_lives_in_a_subdirectory_of_miles_directory(monkey
     config = config_from_args(args, name="rank0")
     assert config.directory == f"{default_directory()}/{STATE_SUBDIR}"
     assert config.staging_bytes_total == 256 << 20
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--offload-train-disk-chunk-mb", "3"], "--offload-train-disk-chunk-mb: staging budget 3 MiB is too small"),
+        (["--offload-train-disk-chunk-mb", "0"], "--offload-train-disk-chunk-mb: staging budget must be a positive"),
+        (["--stream-optimizer-state-io-threads", "0"], "--stream-optimizer-state-io-threads: io threads must be"),
+        (["--stream-optimizer-state-moment-dtype", "fp16"], "--stream-optimizer-state-moment-dtype: moment dtype"),
+    ],
+)
+def test_a_refused_setting_names_the_flag_that_set_it(flags, message):
+    """Under miles too: the store's checks name settings, the refusal names the flag."""
+    parser = _miles_parser()
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-optimizer-state-to-disk", *flags])
+    args.use_distributed_optimizer, args.optimizer = True, "adam"
+    with pytest.raises(StreamConfigError, match=re.escape(message)):
+        validate_args(args)
