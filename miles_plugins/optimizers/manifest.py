@@ -191,13 +191,19 @@ def _short(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
-    """Every compared field where ``saved`` and ``live`` differ, described."""
+# The fields that differ between two saves of one optimizer at different data-parallel
+# shardings (or between two ranks' saves): a resharded load accepts these differences.
+SHARDING_FIELDS = frozenset({"store", "topology", "layout", "resident_numels"})
+
+
+def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = True) -> list[str]:
+    """Every compared field where ``saved`` and ``live`` differ, described; with
+    ``sharding`` False, only those a resharded load cannot bridge (formats, optimizer)."""
     found = []
     if "shard_peers" not in (saved.get("topology") or {}):  # saved before topologies named them
         live = {**live, "topology": {k: v for k, v in (live.get("topology") or {}).items() if k != "shard_peers"}}
     for key, label in COMPARED_FIELDS:
-        if saved.get(key) == live.get(key):
+        if saved.get(key) == live.get(key) or (not sharding and key in SHARDING_FIELDS):
             continue
         if key == "moment_dtype" and saved.get(key) in REMOVED_MOMENT_DTYPES:
             found.append(
@@ -214,7 +220,13 @@ def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
                 f"{k} {s.get(k)} -> {v.get(k)}" for k in sorted(set(s) | set(v)) if s.get(k) != v.get(k)
             )
             found.append(f"{label} differs (checkpoint -> this run): {changed}")
-            if s.get("shard_peers") != v.get("shard_peers"):
+            if saved.get("pieces") is None:
+                found.append(
+                    "this checkpoint was saved before checkpoints recorded each entry's param range, so it loads "
+                    "only at the parallel sizes it was saved at: resume at those, or start the optimizer fresh from "
+                    "the checkpoint's params (Megatron: --no-load-optim)"
+                )
+            elif s.get("shard_peers") != v.get("shard_peers"):
                 found.append(
                     "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is not resharded, "
                     "only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or start "
@@ -224,6 +236,10 @@ def differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
             found.append(
                 f"{label} differs: checkpoint has {_short(saved.get(key))}, this run has {_short(live.get(key))}"
             )
+    pieces = [(saved.get(k), live.get(k)) for k in ("pieces", "resident_pieces")]
+    if sharding and saved.get("pieces") is not None and any(s != v for s, v in pieces):
+        # Same sizes can hide other params (another DDP bucket size, another param order).
+        found.append("its entries hold other params or param ranges than this run's")
     return found
 
 

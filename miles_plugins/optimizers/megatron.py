@@ -247,7 +247,10 @@ class MegatronBinding:
                 "ep_size": mpu.get_expert_model_parallel_world_size(),
             }
         peers.update(
-            pp_size=mpu.get_pipeline_model_parallel_world_size(), pp_rank=mpu.get_pipeline_model_parallel_rank()
+            pp_size=mpu.get_pipeline_model_parallel_world_size(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            # Each distributed-optimizer instance holds a whole copy of the state.
+            optimizer_instance=opt.distributed_optimizer_instance_id,
         )
         return {
             # The saves this rank's state can be resharded from name the same peers (reshard_load.py).

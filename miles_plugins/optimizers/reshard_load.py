@@ -37,11 +37,8 @@ from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.fs import open_file
 from miles_plugins.optimizers.io import BlockCrc, pread_full
 from miles_plugins.optimizers.layout import BucketLayout, layout_bucket
-from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
+from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch, differences
 from miles_plugins.optimizers.reshard import Copy, Piece, RemapError, plan
-
-# The manifest fields a resharded load may find different from the live store's.
-SHARDING_FIELDS = {"topology", "layout", "resident_numels"}
 
 
 def chain_position(name: str) -> str:
@@ -52,16 +49,12 @@ def chain_position(name: str) -> str:
 def can_reshard_from(saved: dict, live: dict) -> bool:
     """Whether ``saved`` (a manifest's data) differs from ``live`` (a store's
     description) only in its sharding, and records what a remap needs."""
-    differing = {
-        key for key in set(saved) | set(live) if key in live and key != "pieces" and saved.get(key) != live.get(key)
-    }
-    differing -= {"resident_pieces", "store"}
     peers = (live.get("topology") or {}).get("shard_peers")
     return (
         peers is not None
         and (saved.get("topology") or {}).get("shard_peers") == peers
         and saved.get("pieces") is not None
-        and differing <= SHARDING_FIELDS
+        and not differences(saved, live, sharding=False)
     )
 
 
@@ -78,17 +71,18 @@ class Peer:
 
 
 def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
-    """Every saved store under ``base_dir`` of this store's optimizer whose
-    manifest it can be resharded from; [] when there is none. A peer of this
-    optimizer that cannot serve (another format, TP/PP/EP, no pieces) is refused,
-    naming what differs."""
-    if (live.get("topology") or {}).get("shard_peers") is None:
+    """Every saved store under ``base_dir`` of this store's optimizer and shard
+    peers; [] when there is none. Raises when this optimizer's saves exist but
+    none can serve, saying why: written before checkpoints recorded param ranges,
+    another TP/PP/EP size, or another storage format or optimizer."""
+    ours = (live.get("topology") or {}).get("shard_peers")
+    if ours is None:
         return []  # a store that records no peers (no data parallelism) is never resharded
     try:
         names = sorted(os.listdir(base_dir))
     except FileNotFoundError:
         return []
-    peers, refused = [], []
+    peers, unfit, older, other_sizes = [], [], [], set()
     for other in names:
         path = os.path.join(base_dir, other)
         if other.startswith(".") or chain_position(other) != chain_position(name) or not os.path.isdir(path):
@@ -96,56 +90,73 @@ def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
         if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             continue
         manifest = Manifest.read(path)
-        saved_peers = (manifest.data.get("topology") or {}).get("shard_peers")
-        if saved_peers != (live.get("topology") or {}).get("shard_peers"):
-            continue  # another TP/PP/EP coordinate: its params are not this rank's
-        if can_reshard_from(manifest.data, live):
-            peers.append(Peer(path, manifest))
-        else:
-            refused.append(path)
-    if refused:
+        theirs = (manifest.data.get("topology") or {}).get("shard_peers")
+        if theirs is None or manifest.data.get("pieces") is None:
+            older.append(other)
+        elif theirs == ours:
+            (peers if can_reshard_from(manifest.data, live) else unfit).append(Peer(path, manifest))
+        elif _sizes(theirs) != _sizes(ours):
+            other_sizes.add(", ".join(f"{k} {theirs.get(k)} -> {ours.get(k)}" for k in sorted(_sizes(ours))))
+        # else: another TP/PP/EP coordinate of the same sizes, whose params are not this rank's
+    if unfit:
         raise CheckpointMismatchError(
-            f"cannot reshard the streamed optimizer state from {', '.join(refused)}: they differ from this run in "
-            "more than the data-parallel sharding (storage formats, optimizer, TP/PP/EP sizes), or were written "
-            "before checkpoints recorded param ranges (format 3)"
+            f"cannot reshard the streamed optimizer state from {', '.join(p.directory for p in unfit)}: "
+            + "; ".join(differences(unfit[0].data, live, sharding=False))
+        )
+    if not peers and older:
+        raise CheckpointMismatchError(
+            f"{base_dir} holds streamed optimizer state ({', '.join(older[:4])}{' ...' if len(older) > 4 else ''}) "
+            "saved before checkpoints recorded each entry's param range, or at another sharding than this run's: it "
+            "loads only at the data-parallel size it was saved at. Resume at that size, or start the optimizer "
+            "fresh from the checkpoint's params (Megatron: --no-load-optim)"
+        )
+    if not peers and other_sizes:
+        raise CheckpointMismatchError(
+            f"the streamed optimizer state in {base_dir} was saved with other parallel sizes ({'; '.join(other_sizes)}"
+            "): only the data-parallel size may change. Resume with the saved TP, PP and EP sizes, or start the "
+            "optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
         )
     return peers
 
 
+def _sizes(shard_peers: dict) -> dict:
+    return {k: v for k, v in shard_peers.items() if k.endswith("_size")}
+
+
 class VerifiedFile:
     """Reads of any byte range of a saved file, each covering whole checksum blocks
-    whose CRC-32s are checked (the last two blocks are kept for neighbouring reads)."""
+    whose CRC-32s are checked (the last block read is kept for the next read)."""
 
     def __init__(self, path: str, manifest: Manifest, name: str) -> None:
         self.path, self.size = path, manifest.files[name]["size"]
         self.block_bytes, self.crcs = manifest.block_bytes, manifest.crcs(name)
         self.fd = open_file(path, os.O_RDONLY)
-        self._cache: dict[int, bytes] = {}
+        self._last: tuple[int, bytearray] | None = None
 
-    def read(self, offset: int, n: int) -> bytes:
-        if n == 0:
-            return b""
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes from ``offset``, every block they touch verified."""
+        n, b = len(out), self.block_bytes
         if offset < 0 or offset + n > self.size:
             raise CheckpointMismatchError(f"{self.path}: bytes {offset}-{offset + n - 1} are past its end")
-        b = self.block_bytes
-        parts = [self._block(i) for i in range(offset // b, (offset + n - 1) // b + 1)]
-        start = offset - (offset // b) * b
-        return b"".join(parts)[start : start + n]
+        done = 0
+        while done < n:
+            index, within = divmod(offset + done, b)
+            block = self._block(index)
+            take = min(n - done, len(block) - within)
+            out[done : done + take] = block[within : within + take]
+            done += take
 
-    def _block(self, index: int) -> bytes:
-        if index not in self._cache:
-            length = min(self.block_bytes, self.size - index * self.block_bytes)
-            data = bytearray(length)
+    def _block(self, index: int) -> bytearray:
+        if self._last is None or self._last[0] != index:
+            data = bytearray(min(self.block_bytes, self.size - index * self.block_bytes))
             pread_full(self.fd, self.path, index * self.block_bytes, memoryview(data))
             crc = BlockCrc(None)
             crc.update(data)
             mismatch = crc_mismatch(crc.blocks, [self.crcs[index]], None)
             if mismatch:
                 raise CheckpointMismatchError(f"{self.path}: block {index}: {mismatch}: the checkpoint is corrupt")
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[index] = bytes(data)
-        return self._cache[index]
+            self._last = (index, data)
+        return self._last[1]
 
     def close(self) -> None:
         os.close(self.fd)
@@ -167,9 +178,11 @@ def _param_slots(groups: Sequence[int]) -> list[tuple[int, int]]:
 class ReshardedLoad:
     """Rebuild one store's state from its peers' saves (see the module docstring).
 
-    ``live`` is the store's description (with ``pieces``: per bucket, per entry
-    [param name, start, group]); the other arguments are the parts of
-    :class:`~miles_plugins.optimizers.persistence.Persistence`.
+    ``persistence`` is the live store's
+    :class:`~miles_plugins.optimizers.persistence.Persistence`: its description
+    (``pieces``: per bucket, per entry [param name, start, group]), buckets,
+    backing, staging buffer and resident mains. Construction plans every copy
+    and checks the peers' files (presence, sizes, layouts) without reading them.
     """
 
     def __init__(self, persistence, peers: list[Peer]) -> None:
@@ -185,41 +198,70 @@ class ReshardedLoad:
             Piece(n, s, numel) for (n, s, _), numel in zip(live["resident_pieces"], resident_numels, strict=True)
         ]
         self.live_resident_groups = [g for _, _, g in live["resident_pieces"]]
-        self.problems: list[str] = []
+        # Per peer: each saved bucket's layout and optimizer slots, the resident slots and file offsets.
+        self.source_layouts: list[list[BucketLayout]] = []
+        self.source_slots: list[list[list[tuple[int, int]]]] = []
+        self.resident_slots: list[list[tuple[int, int]]] = []
+        self.resident_offsets: list[list[int]] = []
         self._plan()
 
     # ---- the plan and the small state ------------------------------------------
 
     def _plan(self) -> None:
-        sources, resident_sources = [], []
-        self.source_layouts: list[list[BucketLayout]] = []
+        sources, resident_sources, problems = [], [], []
         for s, peer in enumerate(self.peers):
             data = peer.data
-            layouts = []
-            for b, (bucket, pieces) in enumerate(zip(data["layout"], data["pieces"], strict=True)):
-                layouts.append(self._source_layout(b, bucket))
-                for k, (name, start, _) in enumerate(pieces):
-                    sources.append(((s, b, k), Piece(name, start, bucket["numels"][k])))
+            problems += peer.manifest.file_problems(peer.directory).values()
+            layouts = [self._source_layout(b, bucket) for b, bucket in enumerate(data["layout"])]
+            problems += [
+                f"{peer.directory}: {bucket['file']} is laid out for {bucket['size']} bytes, this version lays "
+                f"it out in {layout.file_size} (written by a version with another file layout)"
+                for bucket, layout in zip(data["layout"], layouts, strict=True)
+                if layout is not None and (layout.file_size != bucket["size"] or layout.file_name != bucket["file"])
+            ]
             self.source_layouts.append(layouts)
+            self.source_slots.append([_param_slots([g for _, _, g in pieces]) for pieces in data["pieces"]])
+            store = os.path.basename(peer.directory)
+            for b, (bucket, pieces) in enumerate(zip(data["layout"], data["pieces"], strict=True)):
+                for k, (name, start, _) in enumerate(pieces):
+                    where = _Location(f"{store} bucket {b} entry {k}", s, b, k)
+                    sources.append((where, Piece(name, start, bucket["numels"][k])))
+            slots = _param_slots([g for _, _, g in data["resident_pieces"]])
+            self.resident_slots.append(slots)
+            offsets, offset = [], 0
+            for (gi, j), numel in zip(slots, data["resident_numels"], strict=True):
+                offsets.append(offset)
+                offset += 2 * 4 * numel if data["resident_state"]["params"][gi][j] is not None else 0
+            self.resident_offsets.append(offsets)
+            if data["resident_pieces"] and data["files"].get(RESIDENT_FILE, {}).get("size") != offset:
+                problems.append(f"{peer.directory}: {RESIDENT_FILE} does not hold the moments its state describes")
             for k, ((name, start, _), numel) in enumerate(
                 zip(data["resident_pieces"], data["resident_numels"], strict=True)
             ):
-                resident_sources.append(((s, k), Piece(name, start, numel)))
+                resident_sources.append((_Location(f"{store} resident entry {k}", s, k), Piece(name, start, numel)))
+        steps = {peer.data.get("steps_taken") for peer in self.peers}
+        if len(steps) != 1:
+            problems.append(f"the saved stores hold the state after different steps: {sorted(steps)}")
         try:
             self.copies = [plan(pieces, sources) for pieces in self.live_pieces]
             self.resident_copies = plan(self.live_resident, resident_sources)
         except RemapError as exc:
+            problems.append(str(exc))
+        if problems:
             raise CheckpointMismatchError(
-                f"cannot reshard the streamed optimizer state from {len(self.peers)} saved stores: {exc}"
-            ) from None
-        steps = {peer.data.get("steps_taken") for peer in self.peers}
-        if len(steps) != 1:
-            raise CheckpointMismatchError(f"the saved stores hold the state after different steps: {sorted(steps)}")
+                f"cannot reshard the streamed optimizer state from {len(self.peers)} saved stores "
+                f"({self._names()}):\n  - " + "\n  - ".join(problems)
+            )
         self.steps = steps.pop()
+
+    def _names(self) -> str:
+        names = [os.path.basename(p.directory) for p in self.peers]
+        return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
 
     def _source_layout(self, index: int, bucket: dict) -> BucketLayout | None:
         """A saved bucket's file layout, from its entry sizes in the live storage formats
-        (equal to the saved ones: :func:`can_reshard_from`)."""
+        (equal to the saved ones: :func:`can_reshard_from`); checked against the saved
+        file size by :meth:`_plan`."""
         if not self.p.buckets:
             return None
         main, moment = self.p.buckets[0].segments["main"], self.p.buckets[0].segments["exp_avg"]
@@ -240,10 +282,9 @@ class ReshardedLoad:
         """An ``export_state`` dict for entries of master ``groups`` from their copies'
         sources (``source_state(copy)`` -> (group state, param state)): every source
         of one param must agree, and every source of one group."""
-        slots = _param_slots(groups)
         out_groups: dict[int, dict] = {}
         out_params: list[list] = [[] for _ in range(len(set(groups)))]
-        for (gi, _), entry_copies in zip(slots, copies, strict=True):
+        for (gi, _), entry_copies in zip(_param_slots(groups), copies, strict=True):
             states = [source_state(c) for c in entry_copies]
             group_state, param_state = states[0]
             if any(other != states[0] for other in states[1:]):
@@ -259,16 +300,14 @@ class ReshardedLoad:
 
     def _bucket_param_state(self, copy: Copy) -> tuple[dict, object]:
         s, b, k = copy.source
-        data = self.peers[s].data
-        gi, j = _param_slots([g for _, _, g in data["pieces"][b]])[k]
-        saved = data["bucket_state"][b]
+        gi, j = self.source_slots[s][b][k]
+        saved = self.peers[s].data["bucket_state"][b]
         return saved["groups"][gi], saved["params"][gi][j]
 
     def _resident_param_state(self, copy: Copy) -> tuple[dict, object]:
         s, k = copy.source
-        data = self.peers[s].data
-        gi, j = _param_slots([g for _, _, g in data["resident_pieces"]])[k]
-        saved = data["resident_state"]
+        gi, j = self.resident_slots[s][k]
+        saved = self.peers[s].data["resident_state"]
         return saved["groups"][gi], saved["params"][gi][j]
 
     def exceptions(self) -> list:
@@ -294,47 +333,48 @@ class ReshardedLoad:
 
     def write_buckets(self, write: bool) -> None:
         """Assemble every live bucket's segments from the peers' files, verifying
-        each block read; with ``write``, into the backing (its spare slot on disk)."""
-        files: dict[tuple[int, str], VerifiedFile] = {}
-        try:
-            for b, bucket in enumerate(self.p.buckets):
-                handle = self.p.backing.open(bucket) if write else None
-                try:
-                    for name, segment in bucket.segments.items():
-                        for k, entry_copies in enumerate(self.copies[b]):
-                            if segment.blockwise:
-                                out = self._requantized(name, bucket.numels[k], entry_copies, files)
-                            else:
-                                out = self._copied(name, segment.dtype.itemsize, bucket.numels[k], entry_copies, files)
-                            if handle is not None:
-                                self._write(handle, segment.entry_offsets[k], out)
-                finally:
-                    if handle is not None:
-                        handle.close()
-        finally:
-            for f in files.values():
-                f.close()
+        each block read; with ``write``, into the backing (its spare slot on disk).
+        Host memory: one entry's segment, and one checksum block per saved file a
+        live bucket reads (those files are closed before the next bucket)."""
+        for b, bucket in enumerate(self.p.buckets):
+            files: dict[tuple[int, int], VerifiedFile] = {}
+            handle = self.p.backing.open(bucket) if write else None
+            try:
+                for name, segment in bucket.segments.items():
+                    for k, entry_copies in enumerate(self.copies[b]):
+                        if segment.blockwise:
+                            out = self._requantized(name, bucket.numels[k], entry_copies, files)
+                        else:
+                            out = self._copied(name, segment.dtype.itemsize, bucket.numels[k], entry_copies, files)
+                        if handle is not None:
+                            self._write(handle, segment.entry_offsets[k], out)
+            finally:
+                if handle is not None:
+                    handle.close()
+                for f in files.values():
+                    f.close()
 
     def _source(self, copy: Copy, files: dict) -> tuple[BucketLayout, VerifiedFile]:
-        """The saved bucket a copy reads from, and its file (opened once per load)."""
+        """The saved bucket a copy reads from, and its file (opened once per live bucket)."""
         s, sb, _ = copy.source
         layout = self.source_layouts[s][sb]
         if (s, sb) not in files:
             peer = self.peers[s]
-            path = os.path.join(peer.directory, layout.file_name)
-            files[(s, sb)] = VerifiedFile(path, peer.manifest, layout.file_name)
+            files[(s, sb)] = VerifiedFile(
+                os.path.join(peer.directory, layout.file_name), peer.manifest, layout.file_name
+            )
         return layout, files[(s, sb)]
 
-    def _copied(self, name: str, size: int, numel: int, copies: Sequence[Copy], files: dict) -> bytearray:
+    def _copied(self, name: str, size: int, numel: int, copies: Sequence[Copy], files: dict) -> memoryview:
         """An elementwise segment's stored bytes for one entry: its copies' bytes."""
-        out = bytearray(numel * size)
+        out = memoryview(bytearray(numel * size))
         for c in copies:
             layout, file = self._source(c, files)
             offset = layout.segments[name].entry_offsets[c.source[2]] + c.source_offset * size
-            out[c.target_offset * size : (c.target_offset + c.count) * size] = file.read(offset, c.count * size)
+            file.read_into(offset, out[c.target_offset * size : (c.target_offset + c.count) * size])
         return out
 
-    def _requantized(self, name: str, numel: int, copies: Sequence[Copy], files: dict) -> bytearray:
+    def _requantized(self, name: str, numel: int, copies: Sequence[Copy], files: dict) -> memoryview:
         """A blockwise 8-bit segment's stored form for one entry: its copies' values
         decoded from their saved blocks (or fp32, for saved entries too small to
         quantize), then quantized in this entry's own blocks. Exact where the
@@ -347,23 +387,25 @@ class ReshardedLoad:
             offset, saved = layout.segments[name].entry_offsets[sk], layout.numels[sk]
             target = values[c.target_offset : c.target_offset + c.count]
             if not quant8.quantizes(saved):
-                target.copy_(_floats(file.read(offset + c.source_offset * 4, c.count * 4)))
+                file.read_into(offset + c.source_offset * 4, _bytes_of(target))
                 continue
             first, last = c.source_offset // quant8.BLOCK, (c.source_offset + c.count - 1) // quant8.BLOCK
             start, end = first * quant8.BLOCK, min((last + 1) * quant8.BLOCK, saved)
-            codes = torch.frombuffer(bytearray(file.read(offset + start, end - start)), dtype=torch.uint8)
-            scales = _floats(file.read(offset + saved + first * 4, (last - first + 1) * 4))
+            codes = torch.empty(end - start, dtype=torch.uint8)
+            scales = torch.empty(last - first + 1, dtype=torch.float32)
+            file.read_into(offset + start, _bytes_of(codes))
+            file.read_into(offset + saved + first * 4, _bytes_of(scales))
             decoded = quant8.dequantize_chunk(codes, scales, signed)
             if sqrt:
                 decoded.square_()
             target.copy_(decoded[c.source_offset - start : c.source_offset - start + c.count])
         quant8.narrow_in_place(values, signed, sqrt)
-        return bytearray(values.view(torch.uint8)[: quant8.stored_nbytes(numel)].numpy().tobytes())
+        return _bytes_of(values)[: quant8.stored_nbytes(numel)]
 
-    def _write(self, handle, offset: int, data: bytearray) -> None:
+    def _write(self, handle, offset: int, data: memoryview) -> None:
         staging = self.p.buffer()
         step = len(staging.view)
-        view = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        view = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         for at in range(0, len(data), step):
             handle.write(offset + at, view[at : at + step], staging)
 
@@ -378,33 +420,37 @@ class ReshardedLoad:
                 if state["params"][gi][j] is None:
                     continue
                 for moment in range(2):
-                    part = bytearray(piece.numel * 4)
+                    part = memoryview(bytearray(piece.numel * 4))
                     for c in entry_copies:
                         s, k = c.source
                         if s not in files:
                             peer = self.peers[s]
-                            path = os.path.join(peer.directory, RESIDENT_FILE)
-                            files[s] = VerifiedFile(path, peer.manifest, RESIDENT_FILE)
+                            files[s] = VerifiedFile(
+                                os.path.join(peer.directory, RESIDENT_FILE), peer.manifest, RESIDENT_FILE
+                            )
                         numel = self.peers[s].data["resident_numels"][k]
-                        offset = self._resident_offset(s, k) + (moment * numel + c.source_offset) * 4
-                        part[c.target_offset * 4 : (c.target_offset + c.count) * 4] = files[s].read(offset, c.count * 4)
+                        offset = self.resident_offsets[s][k] + (moment * numel + c.source_offset) * 4
+                        files[s].read_into(offset, part[c.target_offset * 4 : (c.target_offset + c.count) * 4])
                     out += part
         finally:
             for f in files.values():
                 f.close()
         return bytes(out)
 
-    def _resident_offset(self, s: int, k: int) -> int:
-        """Where source resident entry ``k``'s moments start in peer ``s``'s file."""
-        data = self.peers[s].data
-        slots = _param_slots([g for _, _, g in data["resident_pieces"]])
-        offset = 0
-        for i in range(k):
-            gi, j = slots[i]
-            if data["resident_state"]["params"][gi][j] is not None:
-                offset += 2 * 4 * data["resident_numels"][i]
-        return offset
+
+class _Location(tuple):
+    """Where a saved piece lives: (peer, bucket, entry) or (peer, resident entry),
+    named for messages by its store directory."""
+
+    def __new__(cls, label: str, *index: int) -> _Location:
+        location = super().__new__(cls, index)
+        location.label = label
+        return location
+
+    def __str__(self) -> str:
+        return self.label
 
 
-def _floats(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.float32)
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")

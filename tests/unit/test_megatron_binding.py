@@ -135,7 +135,14 @@ def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp
     # at DP=1 each entry is a whole param.
     assert [piece for bucket in saved["pieces"] for piece in bucket] == [[f"0/{i}", 0, 0] for i in range(len(SHAPES))]
     # Its peers (the saves a load at another DP size may read): the same TP and PP coordinates.
-    assert saved["topology"]["shard_peers"] == {"tp_size": 1, "tp_rank": 0, "ep_size": 1, "pp_size": 1, "pp_rank": 0}
+    assert saved["topology"]["shard_peers"] == {
+        "tp_size": 1,
+        "tp_rank": 0,
+        "ep_size": 1,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "optimizer_instance": 0,
+    }
     assert [n for bucket in saved["layout"] for n in bucket["numels"]] == [p.numel() for p in params]
     binding.store.close()
 

@@ -21,7 +21,16 @@ from tests.unit.test_reshard import megatron_shards
 # Names, sizes and master groups (decay, no decay, frozen); "norm" is an fp32 param
 # (resident); "tied" holds mains halfway between two bf16 values, which remainder
 # mains keep as exceptions, and its group's lr of 0 keeps them so.
-PARAMS = {"emb": (6000, 0), "w1": (1, 1), "tied": (5000, 2), "w3": (4100, 0), "bias": (130, 1), "norm": (300, 1)}
+PARAMS = {
+    "emb": (6000, 0),
+    "w1": (1, 1),
+    "tied": (5000, 2),
+    "twin_a": (2048, 0),
+    "twin_b": (2048, 0),
+    "w3": (4100, 0),
+    "bias": (130, 1),
+    "norm": (300, 1),
+}
 FP32 = {"norm"}
 GROUP_LR = (1e-2, 1e-2, 0.0)
 MODEL = [[(name, numel) for name, (numel, _) in PARAMS.items()]]  # one DDP bucket
@@ -89,7 +98,9 @@ class Rank:
             self.entries,
             backend_for(master),
             StreamConfig(
-                directory=str(tmp_path / f"scratch_dp{dp}"), name=f"rank{rank}.opt0", bucket_cap_elements=2500, **config
+                directory=str(tmp_path / f"scratch_dp{dp}"),
+                name=f"rank{rank}.opt0",
+                **{"bucket_cap_elements": 2500, **config},
             ),
             copy_to_model=lambda e: e.param.copy_(e.main) if e.param is not e.main else None,
             topology=topology,
@@ -115,8 +126,8 @@ class Rank:
             assert same_bytes(exp_avg_sq, ref_sq[cut]), e.name
 
 
-def ranks(tmp_path, dp: int, config: dict) -> list[Rank]:
-    shards, _ = megatron_shards(MODEL, dp)
+def ranks(tmp_path, dp: int, config: dict, model=MODEL) -> list[Rank]:
+    shards, _ = megatron_shards(model, dp)
     return [Rank(tmp_path, dp, r, shards[r], config) for r in range(dp)]
 
 
@@ -228,4 +239,89 @@ def test_8bit_moments_reshard_by_quantizing_the_saved_values_in_the_new_blocks(t
                 stored = full[cut] if e.name in FP32 else _roundtrip(full[cut], name)  # resident: fp32 moments
                 assert same_bytes(moment, stored), (e.name, name)
         rank.step(2)  # and it trains on
+        rank.store.close()
+
+
+@pytest.mark.parametrize(
+    "change, config, model",
+    [
+        ("bucket cap", dict(bucket_cap_elements=1000), MODEL),
+        ("param order in the buffer", {}, [MODEL[0][::-1]]),
+        # Two params of one size trade places: every entry keeps its size, so only the pieces tell.
+        (
+            "same sizes, other params",
+            {},
+            [[{"twin_a": ("twin_b", 2048), "twin_b": ("twin_a", 2048)}.get(n, (n, k)) for n, k in MODEL[0]]],
+        ),
+    ],
+)
+def test_another_layout_at_the_same_dp_size_is_rebuilt_from_the_saved_pieces(tmp_path, change, config, model):
+    """Same topology, other entries: the saved pieces, not the sizes, decide what goes where."""
+    saving = ranks(tmp_path / "a", 2, {})
+    for rank in saving:
+        for step in range(SAVE_AT):
+            rank.step(step)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+    resumed = ranks(tmp_path / "b", 2, config, model)
+    for rank in resumed:
+        rank.load_params(reference(SAVE_AT))
+        assert rank.store.load_from(str(tmp_path / "ckpt"), expected_steps=SAVE_AT)
+        rank.step(SAVE_AT)
+    for rank in resumed:
+        rank.check(reference(SAVE_AT + 1))
+        rank.store.close()
+
+
+def _saved(tmp_path, dp: int) -> None:
+    for rank in ranks(tmp_path / "a", dp, {}):
+        rank.step(0)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+
+
+def test_a_saved_layout_this_version_would_not_write_is_refused(tmp_path):
+    from tests.unit.test_checkpoint import rewrite_manifest
+
+    _saved(tmp_path, 2)
+    rewrite_manifest(tmp_path / "ckpt" / "rank1.opt0" / "manifest.json", lambda d: d["layout"][0].update(size=123))
+    resumed = ranks(tmp_path / "b", 1, {})
+    with pytest.raises(CheckpointMismatchError, match="bucket_00000.bin is laid out for 123 bytes"):
+        resumed[0].store.load_from(str(tmp_path / "ckpt"))
+    resumed[0].store.close()
+
+
+def test_a_checkpoint_from_before_param_ranges_says_it_loads_only_at_its_own_size(tmp_path):
+    from tests.unit.test_checkpoint import as_format, rewrite_manifest
+
+    _saved(tmp_path, 1)
+
+    def to_format_2(data):
+        as_format(tmp_path / "ckpt" / "rank0.opt0", 2)(data)
+        del data["pieces"], data["resident_pieces"], data["topology"]["shard_peers"]
+
+    rewrite_manifest(tmp_path / "ckpt" / "rank0.opt0" / "manifest.json", to_format_2)
+    resumed = ranks(tmp_path / "b", 2, {})
+    for rank in resumed:  # rank 0 finds its own name, rank 1 only another rank's save
+        with pytest.raises(CheckpointMismatchError, match="saved before checkpoints recorded each entry's param range"):
+            rank.store.load_from(str(tmp_path / "ckpt"))
+        rank.store.close()
+    again = ranks(tmp_path / "c", 1, {})  # at its own size it still loads
+    assert again[0].store.load_from(str(tmp_path / "ckpt"))
+    again[0].store.close()
+
+
+def test_other_tp_sizes_are_refused_naming_them(tmp_path):
+    from tests.unit.test_checkpoint import rewrite_manifest
+
+    _saved(tmp_path, 2)
+    for r in range(2):
+        path = tmp_path / "ckpt" / f"rank{r}.opt0" / "manifest.json"
+        rewrite_manifest(path, lambda d: d["topology"]["shard_peers"].update(tp_size=2))
+    resumed = ranks(tmp_path / "b", 3, {})
+    with pytest.raises(CheckpointMismatchError, match=r"tp_size 2 -> 1\): only the data-parallel size may change"):
+        resumed[2].store.load_from(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointMismatchError, match="a change of TP, PP or EP size"):
+        resumed[0].store.load_from(str(tmp_path / "ckpt"))
+    for rank in resumed:
         rank.store.close()
