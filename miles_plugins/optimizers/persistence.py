@@ -207,28 +207,17 @@ class Persistence:
             raise CheckpointMismatchError(
                 f"cannot load the streamed optimizer state in {source}:\n  - " + "\n  - ".join(problems)
             )
-        resident = self._read_resident(source, manifest) if self.resident_optimizer is not None else None
-        spare = self.backing.keeps_previous_state
-        if spare:
-            self._copy_buckets(source, manifest)  # into the spare slots: nothing live changes yet
-        else:
-            self._verify_buckets(source, manifest)
-        try:
-            # The commit: from here on the live state changes.
-            if not spare:
-                self._copy_buckets(source, manifest)
-            self.backing.commit()
-            for optimizer, saved in zip(self.bucket_optimizers, manifest.data["bucket_state"], strict=True):
-                optimizer.import_state(saved, materialize=False)
-            if resident is not None:
-                self._restore_resident(manifest.data["resident_state"], resident)
-            if self.remainder:
-                self.codec.restore(manifest.data["main_exceptions"])
-            if self.master_groups and manifest.data.get("master_options") is not None:
-                _restore_options(manifest.data["master_options"], self.master_groups)
-        except BaseException as exc:
-            mark_damaged(f"loading {source} failed after the live state began to change ({exc})")
-            raise
+        data = manifest.data
+        self._commit(
+            lambda write: self._copy_buckets(source, manifest) if write else self._verify_buckets(source, manifest),
+            data["bucket_state"],
+            data["resident_state"] if self.resident_optimizer is not None else None,
+            self._read_resident(source, manifest) if self.resident_optimizer is not None else None,
+            data["main_exceptions"] if self.remainder else None,
+            data.get("master_options"),
+            f"loading {source}",
+            mark_damaged,
+        )
         logger.info(
             "loaded streamed optimizer state %s (step %d) from %s in %.2f s",
             self.name,
@@ -266,27 +255,16 @@ class Persistence:
                 f"cannot reshard the streamed optimizer state from {len(peers)} saved stores:\n  - "
                 + "\n  - ".join(problems)
             )
-        resident = load.resident_bytes(resident_state) if resident_state is not None else None
-        spare = self.backing.keeps_previous_state
-        load.write_buckets(write=spare)  # disk: into the spare slots; host: a first pass that verifies
-        try:
-            # The commit: from here on the live state changes.
-            if not spare:
-                load.write_buckets(write=True)
-            self.backing.commit()
-            for optimizer, state in zip(self.bucket_optimizers, states, strict=True):
-                optimizer.import_state(state, materialize=False)
-            if resident_state is not None:
-                self._restore_resident(resident_state, resident)
-            if exceptions is not None:
-                self.codec.restore(exceptions)
-            if self.master_groups and options is not None:
-                _restore_options(options, self.master_groups)
-        except BaseException as exc:
-            mark_damaged(
-                f"resharding from {len(peers)} saved stores failed after the live state began to change ({exc})"
-            )
-            raise
+        self._commit(
+            load.write_buckets,
+            states,
+            resident_state,
+            load.resident_bytes(resident_state) if resident_state is not None else None,
+            exceptions,
+            options,
+            f"resharding from {len(peers)} saved stores",
+            mark_damaged,
+        )
         logger.info(
             "resharded the streamed optimizer state %s (step %d) from %d saved stores (%s) in %.2f s",
             self.name,
@@ -296,6 +274,40 @@ class Persistence:
             time.perf_counter() - start,
         )
         return load.steps
+
+    def _commit(
+        self,
+        fill: Callable[[bool], None],
+        bucket_states: list,
+        resident_state: dict | None,
+        resident: bytes | None,
+        exceptions: list | None,
+        options: list | None,
+        what: str,
+        mark_damaged: Callable[[str], None],
+    ) -> None:
+        """The end of a load, everything checked: ``fill(write)`` brings the bucket
+        bytes in (``write`` False: only reads and verifies them). The disk tier
+        fills its spare slots before anything live changes; the host tier, with no
+        spare, verifies first and fills after the point of no return."""
+        spare = self.backing.keeps_previous_state
+        fill(spare)
+        try:
+            # The commit: from here on the live state changes.
+            if not spare:
+                fill(True)
+            self.backing.commit()
+            for optimizer, saved in zip(self.bucket_optimizers, bucket_states, strict=True):
+                optimizer.import_state(saved, materialize=False)
+            if resident_state is not None:
+                self._restore_resident(resident_state, resident)
+            if exceptions is not None:
+                self.codec.restore(exceptions)
+            if self.master_groups and options is not None:
+                _restore_options(options, self.master_groups)
+        except BaseException as exc:
+            mark_damaged(f"{what} failed after the live state began to change ({exc})")
+            raise
 
     def _source(self, base_dir: str) -> str | None:
         """The saved directory to load: ``<name>``, or the previous save a replace
