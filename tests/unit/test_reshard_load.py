@@ -131,6 +131,14 @@ def ranks(tmp_path, dp: int, config: dict, model=MODEL) -> list[Rank]:
     return [Rank(tmp_path, dp, r, shards[r], config) for r in range(dp)]
 
 
+def _saved(tmp_path, dp: int) -> None:
+    """Every rank of DP=``dp`` steps once and saves into ``tmp_path/ckpt``."""
+    for rank in ranks(tmp_path / "a", dp, {}):
+        rank.step(0)
+        rank.store.save_to(str(tmp_path / "ckpt"))
+        rank.store.close()
+
+
 CONFIGS = {
     "disk-fp32": dict(),
     "disk-remainder": dict(main_storage="remainder"),
@@ -164,11 +172,7 @@ def test_a_state_saved_at_one_dp_size_resumes_at_another_byte_for_byte(tmp_path,
 
 
 def test_a_saved_rank_missing_is_named_and_nothing_changes(tmp_path):
-    saving = ranks(tmp_path / "a", 3, {})
-    for rank in saving:
-        rank.step(0)
-        rank.store.save_to(str(tmp_path / "ckpt"))
-        rank.store.close()
+    _saved(tmp_path, 3)
     import shutil
 
     shutil.rmtree(tmp_path / "ckpt" / "rank1.opt0")
@@ -182,11 +186,7 @@ def test_a_saved_rank_missing_is_named_and_nothing_changes(tmp_path):
 
 
 def test_a_flipped_byte_in_a_block_read_is_refused(tmp_path):
-    saving = ranks(tmp_path / "a", 2, {})
-    for rank in saving:
-        rank.step(0)
-        rank.store.save_to(str(tmp_path / "ckpt"))
-        rank.store.close()
+    _saved(tmp_path, 2)
     path = tmp_path / "ckpt" / "rank0.opt0" / "bucket_00000.bin"
     data = bytearray(path.read_bytes())
     data[100] ^= 1
@@ -270,13 +270,6 @@ def test_another_layout_at_the_same_dp_size_is_rebuilt_from_the_saved_pieces(tmp
         rank.step(SAVE_AT)
     for rank in resumed:
         rank.check(reference(SAVE_AT + 1))
-        rank.store.close()
-
-
-def _saved(tmp_path, dp: int) -> None:
-    for rank in ranks(tmp_path / "a", dp, {}):
-        rank.step(0)
-        rank.store.save_to(str(tmp_path / "ckpt"))
         rank.store.close()
 
 
