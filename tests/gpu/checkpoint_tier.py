@@ -15,6 +15,9 @@ series was applied to::
   params, mains, moments and losses must equal the reference byte for byte.
 - ``refuse``: loads that must be refused, each with its reason: another moment
   dtype, a checkpoint written without streaming, a truncated bucket file.
+- ``reshard-save`` / ``reshard-resume`` (``--mode resident|streamed``, ``--moe``):
+  K steps and a save at one DP size, a resume and K more steps at another; the
+  resident run (Megatron's own reshard, fully reshardable) is the reference.
 
 Every phase writes ``<work>/<phase>[-<format>].json``.
 """
@@ -44,7 +47,7 @@ from tests.gpu.megatron_tier import (
 K = 6
 
 
-def megatron_args(work: str, ckpt_format: str, save: str) -> argparse.Namespace:
+def megatron_args(work: str, ckpt_format: str, save: str, extra: tuple[str, ...] = ()) -> argparse.Namespace:
     """Megatron's own parsed and validated arguments (its checkpoint code reads them globally)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
@@ -58,6 +61,7 @@ def megatron_args(work: str, ckpt_format: str, save: str) -> argparse.Namespace:
         *"--bf16 --use-distributed-optimizer --vocab-size 1024 --tokenizer-type NullTokenizer".split(),
         *"--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm".split(),
         *f"--save {save} --load {save} --ckpt-format {ckpt_format}".split(),
+        *extra,
     ]
     saved_argv, sys.argv = sys.argv, argv
     try:
@@ -69,10 +73,10 @@ def megatron_args(work: str, ckpt_format: str, save: str) -> argparse.Namespace:
     return args
 
 
-def streamed(work: str, scratch: str, moment_dtype: str = "fp32"):
+def streamed(work: str, scratch: str, moment_dtype: str = "fp32", moe: bool = False):
     from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
 
-    ddp, opt, sched, baseline = build(False, 1)
+    ddp, opt, sched, baseline = build(moe, 1)
     bindings = setup_optimizer_state_streaming(flags(os.path.join(work, scratch), moment_dtype), opt)
     return ddp, opt, sched, baseline, bindings
 
@@ -124,6 +128,41 @@ def phase_resume(work: str, ckpt_format: str) -> dict:
         "moments_identical": len(state) == len(reference["state"])
         and all(all_same(s[1:], r[1:]) for s, r in zip(state, reference["state"], strict=True)),
     }
+
+
+# Megatron's own resume at another DP size needs an optimizer state saved fully reshardable.
+RESHARDABLE = ("--dist-ckpt-optim-fully-reshardable",)
+
+
+def _reshard_model(work: str, mode: str, moe: bool, scratch: str):
+    megatron_args(work, "torch_dist", os.path.join(work, f"reshard_{mode}"), RESHARDABLE)
+    if mode == "resident":
+        return (*build(moe, 1), None)
+    return streamed(work, scratch, moe=moe)
+
+
+def phase_reshard_save(work: str, mode: str, moe: bool) -> dict:
+    """K steps at this world's DP size, resident or streamed, then save_checkpoint."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    ddp, opt, sched, baseline, _ = _reshard_model(work, mode, moe, "scratch_reshard_save")
+    first = train(ddp, opt, sched, baseline, K)
+    save_checkpoint(K, [ddp], opt, sched, 0)
+    return {"losses": first["losses"]}
+
+
+def phase_reshard_resume(work: str, mode: str, moe: bool) -> dict:
+    """load_checkpoint at this world's DP size (another than the save's), K more steps;
+    each rank's params, mains, moments and losses go to reshard-<mode>-rank<r>.pt."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    ddp, opt, sched, baseline, bindings = _reshard_model(work, mode, moe, "scratch_reshard_resume")
+    iteration, _ = load_checkpoint([ddp], opt, sched)
+    second = train(ddp, opt, sched, baseline, K, start=K)
+    state = resident_state(opt) if bindings is None else streamed_state(bindings)
+    record = {"params": params_of(ddp), "state": state, "losses": second["losses"]}
+    torch.save(record, os.path.join(work, f"reshard-{mode}-rank{dist.get_rank()}.pt"))
+    return {"iteration": iteration, "losses": second["losses"]}
 
 
 def refused(work: str, case: str, load_dir: str, moment_dtype: str = "fp32") -> str:
@@ -201,9 +240,13 @@ def phase_refuse(work: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", required=True, choices=["reference", "save", "resume", "refuse"])
+    parser.add_argument(
+        "--phase", required=True, choices=["reference", "save", "resume", "refuse", "reshard-save", "reshard-resume"]
+    )
     parser.add_argument("--work", required=True)
     parser.add_argument("--format", default="torch_dist", choices=["torch_dist", "torch"])
+    parser.add_argument("--mode", default="streamed", choices=["resident", "streamed"], help="reshard phases")
+    parser.add_argument("--moe", action="store_true", help="reshard phases: a MoE GPT (EP=1)")
     args = parser.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.makedirs(args.work, exist_ok=True)
@@ -214,12 +257,15 @@ def main() -> None:
         "save": lambda: phase_save(args.work, args.format),
         "resume": lambda: phase_resume(args.work, args.format),
         "refuse": lambda: phase_refuse(args.work),
+        "reshard-save": lambda: phase_reshard_save(args.work, args.mode, args.moe),
+        "reshard-resume": lambda: phase_reshard_resume(args.work, args.mode, args.moe),
     }[args.phase]
     result = run()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     if dist.get_rank() == 0:
         suffix = f"-{args.format}" if args.phase in ("save", "resume") else ""
+        suffix = f"-{args.mode}" if args.phase.startswith("reshard") else suffix
         with open(os.path.join(args.work, f"{args.phase}{suffix}.json"), "w") as f:
             json.dump(per_rank, f, indent=1)
     dist.barrier()

@@ -4,7 +4,7 @@ loads that must be refused.
 
 Needs CUDA, and a Megatron whose megatron/training carries the patch series
 (``make apply-patches MEGATRON_DIR=...``; for a carried wheel, its site dir).
-The data-parallel refusal needs two GPUs.
+The resumes at another data-parallel size need two GPUs.
 """
 
 import json
@@ -40,13 +40,14 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpt_tier")
 
 
-def phase(work: Path, name: str, nproc: int = 1, ckpt_format: str = "torch_dist") -> list[dict]:
+def phase(work: Path, name: str, nproc: int = 1, ckpt_format: str = "torch_dist", *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-    cmd += ["-m", "tests.gpu.checkpoint_tier", "--phase", name, "--work", str(work), "--format", ckpt_format]
+    cmd += ["-m", "tests.gpu.checkpoint_tier", "--phase", name, "--work", str(work), "--format", ckpt_format, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"phase {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     suffix = f"-{ckpt_format}" if name in ("save", "resume") else ""
+    suffix = f"-{extra[extra.index('--mode') + 1]}" if name.startswith("reshard") else suffix
     result = json.loads((work / f"{name}{suffix}.json").read_text())
     print(name, ckpt_format, json.dumps(result, indent=1))
     return result
@@ -83,3 +84,26 @@ def test_loads_that_do_not_match_are_refused_with_their_reason(work, saved):
     assert fresh["iteration"] == 6 and fresh["steps_after_load"] == [0] and fresh["warned"], fresh
     assert fresh["mains_are_loaded_params"] and fresh["moments_fresh"], fresh
     assert len(fresh["losses_after"]) == 2 and all(loss == loss for loss in fresh["losses_after"]), fresh
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("saved_dp, resumed_dp", [(2, 1), (1, 2)])
+def test_a_streamed_checkpoint_resumes_at_another_dp_size_as_megatrons_own_does(tmp_path, saved_dp, resumed_dp, moe):
+    """Megatron's own resume at the new DP size (resident, fully reshardable torch_dist)
+    is the reference: K steps after it, every rank's params, mains, moments and losses
+    are byte-identical."""
+    from tests.gpu.megatron_tier import all_same
+
+    for mode in ("resident", "streamed"):
+        extra = ("--mode", mode, *(("--moe",) if moe else ()))
+        phase(tmp_path, "reshard-save", saved_dp, "torch_dist", *extra)
+        phase(tmp_path, "reshard-resume", resumed_dp, "torch_dist", *extra)
+    for rank in range(resumed_dp):
+        reference = torch.load(tmp_path / f"reshard-resident-rank{rank}.pt")
+        streamed = torch.load(tmp_path / f"reshard-streamed-rank{rank}.pt")
+        assert streamed["losses"] == reference["losses"], rank
+        assert all_same(streamed["params"], reference["params"]), rank
+        assert len(streamed["state"]) == len(reference["state"]), rank
+        for got, want in zip(streamed["state"], reference["state"], strict=True):
+            assert all_same(got, want), rank
