@@ -1,6 +1,11 @@
 """Operator's commands for saved streamed optimizer state; no GPU, no live store.
 
     python -m miles_plugins.optimizers.ckpt inspect DIR
+    python -m miles_plugins.optimizers.ckpt reshard DIR --dp N --out NEW_ITER_DIR
+
+``reshard`` rewrites the state for ``N`` data-parallel ranks
+(``reshard_offline.py``), verifying every block it reads; exit status 1 on any
+problem, and nothing is left in ``--out`` then.
 
 ``DIR`` is a checkpoint's iteration directory (its ``streamed_optimizer_state/``
 is read), that directory itself, or one saved store. For every saved store it
@@ -185,10 +190,41 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     inspect_parser = commands.add_parser("inspect", help="describe and verify every saved store under DIR")
     inspect_parser.add_argument("dir", metavar="DIR")
+    reshard_parser = commands.add_parser(
+        "reshard", help="rewrite the saved state under DIR for another data-parallel size, into --out"
+    )
+    reshard_parser.add_argument("dir", metavar="DIR")
+    reshard_parser.add_argument("--dp", type=int, required=True, help="the new data-parallel size")
+    reshard_parser.add_argument(
+        "--out",
+        required=True,
+        help="the new checkpoint's iteration directory (its streamed_optimizer_state/ is written)",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.dir):
         parser.error(f"{args.dir} is not a directory")
-    return inspect(args.dir)
+    if args.command == "inspect":
+        return inspect(args.dir)
+    if args.dp < 1:
+        parser.error(f"--dp {args.dp}: it must be at least 1")
+    return reshard_command(args.dir, args.dp, args.out)
+
+
+def reshard_command(directory: str, dp: int, out: str) -> int:
+    from miles_plugins.optimizers.reshard_offline import reshard
+
+    out_dir = out if os.path.basename(os.path.normpath(out)) == STATE_DIRNAME else os.path.join(out, STATE_DIRNAME)
+    start = time.perf_counter()
+    try:
+        stores = stores_under(directory)
+        if not stores:
+            raise NotAStateDir(f"no saved streamed optimizer state under {directory}")
+        reshard(stores, dp, out_dir, log=lambda line: print(line, flush=True))
+    except (NotAStateDir, CheckpointMismatchError, StreamIOError, OSError) as exc:
+        print(f"cannot reshard {directory}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {dp} rank(s) of streamed optimizer state to {out_dir} in {time.perf_counter() - start:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -152,6 +152,10 @@ class MegatronBinding:
     def __init__(self, dist_opt: Any, config: StreamConfig) -> None:
         check_supported(dist_opt)
         self.dist_opt = dist_opt
+        # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
+        self.names = {
+            p: f"{i}/{name}" for i, chunk in enumerate(dist_opt.model_chunks) for name, p in chunk.named_parameters()
+        }
         self.entries = self._entries()
         self.store = StreamingStore(
             self.entries,
@@ -159,6 +163,7 @@ class MegatronBinding:
             config,
             copy_to_model=self._copy_main_to_param_buffer,
             topology=self._topology(),
+            param_layout=self._param_layout(),
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook
         # has restored the files it promises (it stays set when that load fails).
@@ -267,12 +272,38 @@ class MegatronBinding:
             "optimizer_instance": opt.distributed_optimizer_instance_id,
         }
 
+    def _param_layout(self) -> dict | None:
+        """Every param of each DDP bucket this optimizer shards, in the order the range
+        maps list them ([name, start in the bucket, numel]), with the bucket's unpadded
+        size and the padding rule: from it, ``ckpt reshard`` computes Megatron's
+        sharding at another DP size (each bucket padded to a multiple of
+        lcm(dp, 128[, 2**16]), cut into dp equal ranges). None where the buffers
+        do not expose ``param_index_map``."""
+        opt = self.dist_opt
+        buckets = []
+        for gbuf_index, buffer in enumerate(opt.buffers):
+            index_map = getattr(buffer, "param_index_map", None)
+            if index_map is None:
+                return None
+            for bucket_index, bucket in enumerate(buffer.buckets):
+                params = [
+                    [self.names.get(p), start - bucket.offset, end - start]
+                    for p, (start, end, b) in index_map.items()
+                    if b == bucket_index
+                ]
+                size = max((start + numel for _, start, numel in params), default=0)
+                buckets.append({"key": [gbuf_index, bucket_index], "params": params, "size": size})
+        ddp_config = getattr(opt, "ddp_config", None)
+        return {
+            "buckets": buckets,
+            "pad_for_high_nccl_busbw": bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+        }
+
     # ---- entries ---------------------------------------------------------------
 
     def _entries(self) -> list[MegatronEntry]:
         opt = self.dist_opt
-        # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
-        names = {p: f"{i}/{name}" for i, chunk in enumerate(opt.model_chunks) for name, p in chunk.named_parameters()}
+        names = self.names
         entries = []
         for group_index, (model_group, main_group) in enumerate(
             zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)

@@ -77,7 +77,11 @@ class StreamingStore:
             they never all exist at once.
         topology: the parallel layout this state belongs to (sizes and this
             rank's coordinates), recorded by ``save_to`` and required equal by
-            ``load_from``.
+            ``load_from`` (``shard_peers``: which other ranks' saves a load at
+            another data-parallel size may read, ``reshard_load.py``).
+        param_layout: where every param of the state sits in its data-parallel
+            buffers (the Megatron binding's ``_param_layout``), recorded for
+            offline resharding; None where there is none.
         grad_bytes_per_element: device bytes ``grad_fn`` allocates per element
             of the bucket being updated (4 where it widens bf16 grads to fp32;
             0 where the fp32 grads exist already, as Megatron's do): part of
@@ -103,6 +107,7 @@ class StreamingStore:
         copy_to_model: EntryFn | None = None,
         init_main: CopyFn | None = None,
         topology: dict[str, int] | None = None,
+        param_layout: dict | None = None,
         grad_bytes_per_element: int = 0,
         checkpoint_master_options: bool = False,
     ) -> None:
@@ -154,7 +159,14 @@ class StreamingStore:
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
                 config.name,
-                _description(config, self.entries, self.buckets, self._resident_entries, backend.master, topology),
+                {
+                    **_description(
+                        config, self.entries, self.buckets, self._resident_entries, backend.master, topology
+                    ),
+                    # Not compared by a load: what an offline reshard needs (ckpt.py reshard).
+                    "bucket_cap_elements": config.bucket_cap_elements,
+                    "param_layout": param_layout,
+                },
                 self.buckets,
                 self._backing,
                 self._bucket_optimizers,

@@ -71,7 +71,8 @@ def dp1_distributed_optimizer(seed: int = 0):
     ]
     opt.model_param_gbuf_map = {p: (0, key, 0) for p in params}
     opt.model_chunks = [torch.nn.ParameterList(params)]  # the model, as Megatron names its params
-    opt.buffers = [types.SimpleNamespace(buckets=[types.SimpleNamespace(param_data=buffer)])]
+    bucket = types.SimpleNamespace(param_data=buffer, offset=0)
+    opt.buffers = [types.SimpleNamespace(buckets=[bucket], param_index_map=world_index)]
     mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
     opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
     opt.shard_float16_groups = [[p.detach().view(-1) for p in params]]
@@ -144,6 +145,15 @@ def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp
         "optimizer_instance": 0,
     }
     assert [n for bucket in saved["layout"] for n in bucket["numels"]] == [p.numel() for p in params]
+    # Where every param sits in its DDP bucket (here one bucket, params back to back): ckpt reshard's input.
+    numels = [torch.Size(shape).numel() for shape in SHAPES]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    assert saved["param_layout"] == {
+        "buckets": [
+            {"key": [0, 0], "params": [[f"0/{i}", starts[i], n] for i, n in enumerate(numels)], "size": sum(numels)}
+        ],
+        "pad_for_high_nccl_busbw": False,
+    }
     binding.store.close()
 
 

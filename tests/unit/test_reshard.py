@@ -55,6 +55,32 @@ def megatron_shards(model, dp: int) -> tuple[list[list[Piece]], list[int]]:
     return pieces, sizes
 
 
+def megatron_param_layout(model) -> dict:
+    """What the Megatron binding records of these buckets (``MegatronBinding._param_layout``):
+    per bucket, its params in the range maps' order with their start in the bucket."""
+    buckets = []
+    for index, bucket in enumerate(model):
+        params, start = [], 0
+        for name, numel in reversed(bucket):
+            start = _pad(start, 64)
+            params.append([name, start, numel])
+            start += numel
+        buckets.append({"key": [0, index], "params": params, "size": start})
+    return {"buckets": buckets, "pad_for_high_nccl_busbw": False}
+
+
+def test_the_offline_sharding_is_megatrons():
+    """reshard_offline computes a new DP size's sharding from the recorded layout alone:
+    the same pieces as megatron-core's range code."""
+    from miles_plugins.optimizers.reshard_offline import megatron_pieces
+
+    model = _model(5)
+    for dp in range(1, 9):
+        pieces, _ = megatron_shards(model, dp)
+        for rank in range(dp):
+            assert [p for _, p in megatron_pieces(megatron_param_layout(model), dp, rank)] == pieces[rank]
+
+
 def _values(model) -> dict[str, list[int]]:
     """A distinct value per element of every param."""
     return {name: [p * 1_000_000 + i for i in range(numel)] for p, (name, numel) in enumerate(sum(model, []))}

@@ -16,7 +16,7 @@ from miles_plugins.optimizers.adam import backend_for
 from miles_plugins.optimizers.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 from tests.unit.reference import same_bytes
-from tests.unit.test_reshard import megatron_shards
+from tests.unit.test_reshard import megatron_param_layout, megatron_shards
 
 # Names, sizes and master groups (decay, no decay, frozen); "norm" is an fp32 param
 # (resident); "tied" holds mains halfway between two bf16 values, which remainder
@@ -104,6 +104,7 @@ class Rank:
             ),
             copy_to_model=lambda e: e.param.copy_(e.main) if e.param is not e.main else None,
             topology=topology,
+            param_layout=megatron_param_layout(MODEL),
         )
 
     def step(self, step: int) -> None:
@@ -318,3 +319,65 @@ def test_other_tp_sizes_are_refused_naming_them(tmp_path):
         resumed[0].store.load_from(str(tmp_path / "ckpt"))
     for rank in resumed:
         rank.store.close()
+
+
+@pytest.mark.parametrize("config", ["disk-fp32", "disk-remainder"])
+def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch):
+    """Offline, through the same reads and plan; the new ranks then load without resharding."""
+    from miles_plugins.optimizers import ckpt, persistence
+
+    saved = tmp_path / "ckpt" / "iter_0000003"
+    saving = ranks(tmp_path / "a", 2, CONFIGS[config])
+    for rank in saving:
+        for step in range(SAVE_AT):
+            rank.step(step)
+        rank.store.save_to(str(saved / "streamed_optimizer_state"))
+        rank.store.close()
+    out = tmp_path / "new" / "iter_0000003"
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
+    assert ckpt.main(["inspect", str(out)]) == 0
+    monkeypatch.setattr(persistence, "ReshardedLoad", None)  # a load that resharded would fail here
+    resumed = ranks(tmp_path / "b", 3, CONFIGS[config])
+    for rank in resumed:
+        rank.load_params(reference(SAVE_AT))
+        assert rank.store.load_from(str(out / "streamed_optimizer_state"), expected_steps=SAVE_AT)
+        for step in range(SAVE_AT, STEPS):
+            rank.step(step)
+        rank.check(reference(STEPS))
+        rank.store.close()
+    assert (
+        ckpt.main(["reshard", str(tmp_path / "ckpt"), "--dp", "3", "--out", str(out)]) == 1
+    )  # never over a checkpoint
+
+
+def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_path, capsys):
+    from miles_plugins.optimizers import ckpt
+
+    saved = tmp_path / "ckpt" / "iter_0000001"
+    for rank in ranks(tmp_path / "a", 2, {}):
+        rank.step(0)
+        rank.store.save_to(str(saved / "streamed_optimizer_state"))
+        rank.store.close()
+    path = saved / "streamed_optimizer_state" / "rank1.opt0" / "bucket_00001.bin"
+    data = bytearray(path.read_bytes())
+    data[7] ^= 1
+    path.write_bytes(bytes(data))
+    out = tmp_path / "new" / "iter_0000001"
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 1
+    assert "rank1.opt0/bucket_00001.bin: block 0: CRC-32" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nothing written, not even the directories it made
+
+
+def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, capsys):
+    from miles_plugins.optimizers import ckpt
+    from tests.unit.test_checkpoint import rewrite_manifest
+
+    saved = tmp_path / "ckpt" / "iter_0000001"
+    for rank in ranks(tmp_path / "a", 2, {}):
+        rank.step(0)
+        rank.store.save_to(str(saved / "streamed_optimizer_state"))
+        rank.store.close()
+        path = saved / "streamed_optimizer_state" / rank.store.config.name / "manifest.json"
+        rewrite_manifest(path, lambda d: d["topology"]["shard_peers"].update(tp_size=2))
+    assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(tmp_path / "new")]) == 1
+    assert "saved with dp_size 2, pp_size 1, tp_size 2: new stores are named by global rank" in capsys.readouterr().err

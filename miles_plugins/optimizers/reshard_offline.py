@@ -1,0 +1,254 @@
+"""``ckpt reshard``: rewrite a saved streamed state for another data-parallel size, offline.
+
+For each optimizer of the chain (``.opt<i>``), the new ranks' entries are
+Megatron's sharding at the new size, computed from what the saves recorded
+(``param_layout``: every param's place in its DDP bucket, the padding rule)
+as ``DistributedOptimizer`` computes it: each bucket padded to a multiple of
+``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with padding for NCCL bus
+bandwidth) and cut into ``dp`` equal ranges; a rank's entries follow the
+master's param groups, each group in bucket order, bf16 params before fp32
+ones; its streaming buckets follow the saved bucket cap. Each new store is
+then filled by the same :class:`~miles_plugins.optimizers.reshard_load.ReshardedLoad`
+a resharded load uses (the same plan, verified reads and requantization),
+writing files instead of a live store's slots, and saved with its manifest.
+
+A store written here that does not match what a run builds (another bucket
+cap, a Megatron whose padding differs) still loads: that run reshards it again
+at startup. Only a world of data parallelism alone can be rewritten (the new
+stores are named by global rank, which equals the DP rank only without TP, PP
+or EP); elsewhere resume at the new size directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from miles_plugins.optimizers import remainder
+from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYPES
+from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.fs import (
+    create_file,
+    fsync,
+    fsync_dir,
+    make_dirs,
+    make_private_dir,
+    open_file,
+    remove_private_dir,
+)
+from miles_plugins.optimizers.io import BlockCrc, copy_file_crc32, pwrite_full
+from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket, plan_buckets
+from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest
+from miles_plugins.optimizers.reshard import Piece
+from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
+
+STAGING_BYTES = 16 << 20
+
+
+def megatron_pieces(param_layout: dict, dp: int, rank: int) -> list[tuple[tuple[int, int], Piece]]:
+    """(DDP bucket key, piece) of every param range DP rank ``rank`` of ``dp`` owns,
+    in the order Megatron's range maps list them."""
+    extra = 2**16 if param_layout.get("pad_for_high_nccl_busbw") else 1
+    divisor = math.lcm(dp, 128, extra)
+    out = []
+    for bucket in param_layout["buckets"]:
+        shard = -(-bucket["size"] // divisor) * divisor // dp
+        lo, hi = rank * shard, (rank + 1) * shard
+        for name, start, numel in bucket["params"]:
+            first, last = max(lo, start), min(hi, start + numel)
+            if last > first:
+                out.append((tuple(bucket["key"]), Piece(name, first - start, last - first)))
+    return out
+
+
+@dataclass
+class _Entry:
+    piece: Piece
+    group: int
+    key: tuple[int, int]
+
+
+class _Target:
+    """What :class:`ReshardedLoad` needs of a live store, for a store written to
+    ``directory``: its description, buckets, resident sizes, and a backing whose
+    handles write into the new bucket files."""
+
+    def __init__(self, directory: str, description: dict, buckets: list[BucketLayout], resident: list[int]) -> None:
+        self.directory, self.description, self.buckets = directory, description, buckets
+        self.resident_mains = [torch.empty(n, device="meta") for n in resident]
+        self.backing = self
+        self._staging = _Staging()
+
+    def buffer(self) -> _Staging:
+        return self._staging
+
+    def open(self, bucket: BucketLayout) -> _FileHandle:
+        return _FileHandle(os.path.join(self.directory, bucket.file_name), bucket.file_size)
+
+
+class _Staging:
+    view = memoryview(bytearray(STAGING_BYTES))
+
+
+class _FileHandle:
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.fd = open_file(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(self.fd, size)  # the layout's padding reads as zeros
+
+    def write(self, offset: int, src: torch.Tensor, staging) -> None:
+        pwrite_full(self.fd, self.path, offset, memoryview(src.numpy()).cast("B"))
+
+    def close(self) -> None:
+        fsync(self.fd, self.path)
+        os.close(self.fd)
+
+
+def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> None:
+    """Write the saved ``stores`` ((name, directory) pairs: one checkpoint's) as
+    ``dp`` ranks' stores in ``out_dir``, which must not exist: everything goes to
+    ``<out_dir>.partial`` first and is renamed into place at the end, so a failure
+    leaves no half-written state. Raises :class:`CheckpointMismatchError` naming
+    what keeps the checkpoint from it."""
+    if os.path.lexists(out_dir):
+        raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
+    by_optimizer: dict[str, list[Peer]] = {}
+    for name, directory in stores:
+        by_optimizer.setdefault(chain_position(name), []).append(Peer(directory, Manifest.read(directory)))
+    for position, peers in sorted(by_optimizer.items()):
+        _check(position, peers)
+    partial = f"{out_dir}.partial"
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    created, path = [], parent  # the parents made here (deepest first), removed again on a failure
+    while not os.path.lexists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    remove_private_dir(partial)  # left by a run that was cut off
+    make_dirs(parent)
+    make_private_dir(partial)
+    try:
+        for position, peers in sorted(by_optimizer.items()):
+            for rank in range(dp):
+                name = f"rank{rank}.{position}"
+                target = _target(os.path.join(partial, name), name, peers, dp, rank)
+                make_private_dir(target.directory)
+                load = ReshardedLoad(target, peers)
+                load.write_buckets(write=True)
+                _finish(target, load, peers)
+                elements = sum(b.numel for b in target.buckets)
+                log(f"{name}: {len(target.buckets)} bucket(s), {elements:,} streamed elements, step {load.steps}")
+        fsync_dir(partial)
+        os.rename(partial, out_dir)
+        fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+    except BaseException:
+        remove_private_dir(partial)
+        for directory in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
+
+
+def _check(position: str, peers: list[Peer]) -> None:
+    first = peers[0].data
+    peers_of = (first.get("topology") or {}).get("shard_peers")
+    problems = []
+    if peers_of is None or any(p.data.get("param_layout") is None for p in peers):
+        problems.append("it was saved before checkpoints recorded param ranges and layouts")
+    elif any(v != 1 for k, v in peers_of.items() if k.endswith("_size")) or any(
+        p.data["topology"].get("world_size", p.data["topology"].get("dp_size")) != p.data["topology"].get("dp_size")
+        for p in peers
+    ):
+        sizes = ", ".join(
+            f"{k} {v}" for k, v in sorted({**peers_of, **first["topology"]}.items()) if k.endswith("_size")
+        )
+        problems.append(
+            f"it was saved with {sizes}: new stores are named by global rank, known here only for data "
+            "parallelism alone; resume at the new size directly (the load reshards)"
+        )
+    if problems:
+        raise CheckpointMismatchError(f"cannot reshard the {position} stores offline: " + "; ".join(problems))
+
+
+def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) -> _Target:
+    """The description and layout of DP rank ``rank`` of ``dp``'s new store."""
+    first = peers[0].data
+    groups, fp32 = {}, set()
+    for peer in peers:
+        for pieces in peer.data["pieces"]:
+            groups.update({n: g for n, _, g in pieces})
+        groups.update({n: g for n, _, g in peer.data["resident_pieces"]})
+        fp32.update(n for n, _, _ in peer.data["resident_pieces"])
+    owned = [_Entry(p, groups[p.key], key) for key, p in megatron_pieces(first["param_layout"], dp, rank)]
+    # The master's groups in order, each in bucket order; bf16 params before fp32 ones (the binding's order).
+    by_group = sorted(owned, key=lambda e: e.group)
+    streamed = [e for e in by_group if e.piece.key not in fp32]
+    resident = [e for e in by_group if e.piece.key in fp32]
+    plan = plan_buckets([e.piece.numel for e in streamed], [e.key for e in streamed], first["bucket_cap_elements"])
+    main = MAIN_DTYPE if first["main_dtype"] == "fp32" else remainder.STORAGE_DTYPE
+    moment = first["moment_dtype"]
+    buckets = [
+        layout_bucket(
+            b,
+            members,
+            [streamed[j].piece.numel for j in members],
+            MOMENT_DTYPES[moment],
+            main,
+            moment in BLOCKWISE_MOMENT_DTYPES,
+        )
+        for b, members in enumerate(plan)
+    ]
+    # Data parallelism alone (_check): the world is the DP group, the global rank the DP rank.
+    topology = {**first["topology"], "dp_size": dp, "dp_rank": rank}
+    if "world_size" in topology:
+        topology["world_size"] = dp
+    description = {
+        **{k: first[k] for k in ("main_dtype", "moment_dtype", "moment_format", "optimizer_class")},
+        **{k: first[k] for k in ("bucket_cap_elements", "param_layout")},
+        "store": name,
+        "topology": topology,
+        "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
+        "resident_numels": [e.piece.numel for e in resident],
+        "pieces": [
+            [[streamed[j].piece.key, streamed[j].piece.start, streamed[j].group] for j in members] for members in plan
+        ],
+        "resident_pieces": [[e.piece.key, e.piece.start, e.group] for e in resident],
+    }
+    return _Target(directory, description, buckets, [e.piece.numel for e in resident])
+
+
+def _finish(target: _Target, load: ReshardedLoad, peers: list[Peer]) -> None:
+    """The resident moments, the checksums and the manifest of a filled store."""
+    data = peers[0].data
+    resident_state = load.resident_state() if target.resident_mains else None
+    files = {}
+    if resident_state is not None:
+        with create_file(target.directory, RESIDENT_FILE) as fd:
+            path = os.path.join(target.directory, RESIDENT_FILE)
+            pwrite_full(fd, path, 0, memoryview(load.resident_bytes(resident_state)))
+            fsync(fd, path)
+    for name in sorted(os.listdir(target.directory)):
+        path = os.path.join(target.directory, name)
+        size, crc = os.path.getsize(path), BlockCrc(CRC_BLOCK_BYTES)
+        fd = open_file(path, os.O_RDONLY)
+        try:
+            copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(STAGING_BYTES)), crc)
+        finally:
+            os.close(fd)
+        files[name] = {"size": size, "block_crc32": crc.blocks}
+    remainder_mains = data["main_dtype"] != "fp32"
+    Manifest(
+        {
+            **target.description,
+            "steps_taken": load.steps,
+            "bucket_state": load.bucket_states(),
+            "resident_state": resident_state,
+            "main_exceptions": load.exceptions() if remainder_mains else None,
+            "master_options": data.get("master_options"),
+            "files": files,
+        }
+    ).write(target.directory)
+    fsync_dir(target.directory)
