@@ -28,7 +28,7 @@ import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
-from miles_plugins.optimizers.fs import open_file, previous_path
+from miles_plugins.optimizers.fs import open_file, saved_dirs
 from miles_plugins.optimizers.io import BlockCrc, copy_file_crc32
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 
@@ -56,17 +56,7 @@ def stores_under(directory: str) -> list[tuple[str, str]]:
             f"{directory} is not a saved streamed optimizer state: give a checkpoint's iteration directory "
             f"(…/iter_0001000, holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, or one store in it"
         )
-    names = set(os.listdir(directory))
-    stores = {name: os.path.join(directory, name) for name in names if not name.startswith(".")}
-    for name in names:  # as persistence reads them: the previous save where the store is missing
-        original = name[1 : -len(".previous")] if name.startswith(".") else ""
-        if (
-            original
-            and original not in stores
-            and previous_path(os.path.join(directory, original)) == os.path.join(directory, name)
-        ):
-            stores[original] = os.path.join(directory, name)
-    return sorted(stores.items())
+    return sorted(saved_dirs(directory).items())  # as persistence reads them
 
 
 def missing_ranks(names: list[str], world_size: object) -> list[int]:

@@ -235,6 +235,23 @@ def previous_path(final: str) -> str:
     return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.previous")
 
 
+def saved_dirs(directory: str) -> dict[str, str]:
+    """Name -> path of every directory saved under ``directory`` by :func:`replace_dir`:
+    ``<name>``, or ``.<name>.previous`` where a replace without an atomic exchange
+    was cut off between its two renames (the previous complete save)."""
+    names = set(os.listdir(directory))
+    saved = {name: os.path.join(directory, name) for name in names if not name.startswith(".")}
+    for name in names:
+        original = name[1 : -len(".previous")] if name.startswith(".") and name.endswith(".previous") else ""
+        if (
+            original
+            and original not in saved
+            and previous_path(os.path.join(directory, original)) == os.path.join(directory, name)
+        ):
+            saved[original] = os.path.join(directory, name)
+    return saved
+
+
 def replace_dir(new: str, final: str) -> None:
     """Put the complete directory ``new`` at ``final``, removing what was there.
 

@@ -34,7 +34,7 @@ import torch
 
 from miles_plugins.optimizers import quant8
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.fs import open_file
+from miles_plugins.optimizers.fs import check_plain_dir, open_file, saved_dirs
 from miles_plugins.optimizers.io import BlockCrc, pread_full
 from miles_plugins.optimizers.layout import BucketLayout, layout_bucket
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch, differences
@@ -79,14 +79,14 @@ def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
     if ours is None:
         return []  # a store that records no peers (no data parallelism) is never resharded
     try:
-        names = sorted(os.listdir(base_dir))
+        stores = sorted(saved_dirs(base_dir).items())  # a cut-off replace's previous save included
     except FileNotFoundError:
         return []
     peers, unfit, older, other_sizes = [], [], [], set()
-    for other in names:
-        path = os.path.join(base_dir, other)
-        if other.startswith(".") or chain_position(other) != chain_position(name) or not os.path.isdir(path):
+    for other, path in stores:
+        if chain_position(other) != chain_position(name):
             continue
+        check_plain_dir(path)  # as a load of its own save refuses a symlink
         if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             continue
         manifest = Manifest.read(path)

@@ -381,3 +381,15 @@ def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, cap
         rewrite_manifest(path, lambda d: d["topology"]["shard_peers"].update(tp_size=2))
     assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(tmp_path / "new")]) == 1
     assert "saved with dp_size 2, pp_size 1, tp_size 2: new stores are named by global rank" in capsys.readouterr().err
+
+
+def test_a_save_cut_off_while_replacing_is_read_from_its_previous_copy(tmp_path):
+    """As a load of its own save does: .<name>.previous is the previous complete save."""
+    _saved(tmp_path, 2)
+    (tmp_path / "ckpt" / "rank1.opt0").rename(tmp_path / "ckpt" / ".rank1.opt0.previous")
+    resumed = ranks(tmp_path / "b", 1, {})
+    resumed[0].load_params(reference(1))
+    assert resumed[0].store.load_from(str(tmp_path / "ckpt"), expected_steps=1)
+    resumed[0].step(1)
+    resumed[0].check(reference(2))
+    resumed[0].store.close()
