@@ -5,7 +5,8 @@
 
 ``reshard`` rewrites the state for ``N`` data-parallel ranks
 (``reshard_offline.py``), verifying every block it reads; exit status 1 on any
-problem, and nothing is left in ``--out`` then.
+problem with the checkpoint or the output (nothing is left in ``--out`` then),
+2 on bad usage.
 
 ``DIR`` is a checkpoint's iteration directory (its ``streamed_optimizer_state/``
 is read), that directory itself, or one saved store. For every saved store it
@@ -28,12 +29,9 @@ import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
-from miles_plugins.optimizers.fs import open_file, saved_dirs
-from miles_plugins.optimizers.io import BlockCrc, copy_file_crc32
+from miles_plugins.optimizers.fs import saved_dirs
+from miles_plugins.optimizers.io import file_crcs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
-
-READ_BYTES = 16 << 20
-
 
 _STORE_NAME = re.compile(r"rank(\d+)\.opt\d+")
 
@@ -65,16 +63,6 @@ def missing_ranks(names: list[str], world_size: object) -> list[int]:
         return []
     present = {int(m.group(1)) for name in names if (m := _STORE_NAME.fullmatch(name))}
     return [rank for rank in range(world_size) if rank not in present] if present else []
-
-
-def file_crcs(path: str, size: int, block_bytes: int | None) -> list[int]:
-    crc = BlockCrc(block_bytes)
-    fd = open_file(path, os.O_RDONLY)
-    try:
-        copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(READ_BYTES)), crc)
-    finally:
-        os.close(fd)
-    return crc.blocks
 
 
 def describe(manifest: Manifest) -> str:
@@ -209,6 +197,10 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
         stores = stores_under(directory)
         if not stores:
             raise NotAStateDir(f"no saved streamed optimizer state under {directory}")
+        source = os.path.realpath(os.path.dirname(stores[0][1]))
+        target = os.path.realpath(out_dir)
+        if os.path.commonpath([source, target]) == source:
+            raise NotAStateDir(f"--out {out} lies inside the state it reads ({source}): give a directory outside it")
         reshard(stores, dp, out_dir, log=lambda line: print(line, flush=True))
     except (NotAStateDir, CheckpointMismatchError, StreamIOError, OSError) as exc:
         print(f"cannot reshard {directory}: {exc}", file=sys.stderr)

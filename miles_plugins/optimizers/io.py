@@ -544,6 +544,18 @@ class BlockCrc:
         return self._done + ([self._crc] if self._filled or self.block_bytes is None else [])
 
 
+def file_crcs(path: str, size: int, block_bytes: int | None, chunk_bytes: int = 16 << 20) -> list[int]:
+    """The checksums of the first ``size`` bytes of file ``path``, as :class:`BlockCrc`
+    with ``block_bytes`` computes them (read in chunks of ``chunk_bytes``)."""
+    crc = BlockCrc(block_bytes)
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(min(chunk_bytes, max(size, 1)))), crc)
+    finally:
+        os.close(fd)
+    return crc.blocks
+
+
 def copy_file_crc32(
     src_fd: int, src_path: str, dst_fd: int | None, dst_path: str, size: int, buffer: memoryview, crc: BlockCrc
 ) -> None:

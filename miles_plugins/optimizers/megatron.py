@@ -297,6 +297,8 @@ class MegatronBinding:
         return {
             "buckets": buckets,
             "pad_for_high_nccl_busbw": bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+            # Megatron's default grows with DP above 40 (max(4e7, 1e6 * dp)): then another DP buckets differently.
+            "ddp_bucket_size": getattr(ddp_config, "bucket_size", None),
         }
 
     # ---- entries ---------------------------------------------------------------

@@ -13,8 +13,10 @@ a resharded load uses (the same plan, verified reads and requantization),
 writing files instead of a live store's slots, and saved with its manifest.
 
 A store written here that does not match what a run builds (another bucket
-cap, a Megatron whose padding differs) still loads: that run reshards it again
-at startup. Only a world of data parallelism alone can be rewritten (the new
+cap, another DDP bucket size: Megatron's default grows with DP above 40, which
+is warned about; a Megatron whose padding differs) still loads: that run
+reshards it again at startup. Host memory: one new entry's segment at a time
+(plus its fp32 values for 8-bit moments), as in a resharded load. Only a world of data parallelism alone can be rewritten (the new
 stores are named by global rank, which equals the DP rank only without TP, PP
 or EP); elsewhere resume at the new size directly.
 """
@@ -40,9 +42,9 @@ from miles_plugins.optimizers.fs import (
     open_file,
     remove_private_dir,
 )
-from miles_plugins.optimizers.io import BlockCrc, copy_file_crc32, pwrite_full
+from miles_plugins.optimizers.io import file_crcs, pwrite_full
 from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket, plan_buckets
-from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest
+from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, differences
 from miles_plugins.optimizers.reshard import Piece
 from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
 
@@ -81,17 +83,23 @@ class _Target:
         self.directory, self.description, self.buckets = directory, description, buckets
         self.resident_mains = [torch.empty(n, device="meta") for n in resident]
         self.backing = self
-        self._staging = _Staging()
 
     def buffer(self) -> _Staging:
-        return self._staging
+        return _STAGING
 
     def open(self, bucket: BucketLayout) -> _FileHandle:
         return _FileHandle(os.path.join(self.directory, bucket.file_name), bucket.file_size)
 
 
 class _Staging:
-    view = memoryview(bytearray(STAGING_BYTES))
+    """Stands in for a store's staging buffer: its length is the size of each write
+    (the file handles below write straight from the bytes they are given)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.view = range(nbytes)  # only len() is read
+
+
+_STAGING = _Staging(STAGING_BYTES)
 
 
 class _FileHandle:
@@ -121,16 +129,25 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
         by_optimizer.setdefault(chain_position(name), []).append(Peer(directory, Manifest.read(directory)))
     for position, peers in sorted(by_optimizer.items()):
         _check(position, peers)
+    first = next(iter(by_optimizer.values()))[0].data
+    saved_dp, size = first["topology"].get("dp_size"), first["param_layout"].get("ddp_bucket_size")
+    if size is not None and size == _default_ddp_bucket_size(saved_dp) != _default_ddp_bucket_size(dp):
+        log(
+            f"warning: the save used Megatron's default DDP bucket size at DP {saved_dp} ({size:,} elements); at DP "
+            f"{dp} that default is {_default_ddp_bucket_size(dp):,}, so a run at DP {dp} without --ddp-bucket-size "
+            f"{size} buckets its params differently and reshards these stores again when it loads them "
+            "(correct, but this rewrite does not spare it that)"
+        )
     partial = f"{out_dir}.partial"
     parent = os.path.dirname(os.path.abspath(out_dir))
     created, path = [], parent  # the parents made here (deepest first), removed again on a failure
     while not os.path.lexists(path):
         created.append(path)
         path = os.path.dirname(path)
-    remove_private_dir(partial)  # left by a run that was cut off
-    make_dirs(parent)
-    make_private_dir(partial)
     try:
+        remove_private_dir(partial)  # left by a run that was cut off
+        make_dirs(parent)
+        make_private_dir(partial)
         for position, peers in sorted(by_optimizer.items()):
             for rank in range(dp):
                 name = f"rank{rank}.{position}"
@@ -143,21 +160,34 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
                 log(f"{name}: {len(target.buckets)} bucket(s), {elements:,} streamed elements, step {load.steps}")
         fsync_dir(partial)
         os.rename(partial, out_dir)
-        fsync_dir(os.path.dirname(os.path.abspath(out_dir)))
+        fsync_dir(parent)  # the rename
+        for directory in created:  # each directory made here, in its own parent
+            fsync_dir(os.path.dirname(directory))
     except BaseException:
-        remove_private_dir(partial)
+        # The failure that got here is the one to report: cleaning up stays quiet.
+        with contextlib.suppress(OSError):
+            remove_private_dir(partial)
         for directory in created:
             with contextlib.suppress(OSError):
                 os.rmdir(directory)
         raise
 
 
+def _default_ddp_bucket_size(dp: int | None) -> int | None:
+    """Megatron's DDP bucket size when --ddp-bucket-size is not given (DistributedDataParallel)."""
+    return None if dp is None else max(40_000_000, 1_000_000 * dp)
+
+
 def _check(position: str, peers: list[Peer]) -> None:
     first = peers[0].data
     peers_of = (first.get("topology") or {}).get("shard_peers")
     problems = []
-    if peers_of is None or any(p.data.get("param_layout") is None for p in peers):
+    for peer in peers[1:]:
+        problems += [f"{os.path.basename(peer.directory)}: {p}" for p in differences(peer.data, first, sharding=False)]
+    if peers_of is None or first.get("pieces") is None:
         problems.append("it was saved before checkpoints recorded param ranges and layouts")
+    elif any(p.data.get("param_layout") is None for p in peers):
+        problems.append("its saves record no DDP bucket layout (not a Megatron DistributedOptimizer's state)")
     elif any(v != 1 for k, v in peers_of.items() if k.endswith("_size")) or any(
         p.data["topology"].get("world_size", p.data["topology"].get("dp_size")) != p.data["topology"].get("dp_size")
         for p in peers
@@ -231,14 +261,11 @@ def _finish(target: _Target, load: ReshardedLoad, peers: list[Peer]) -> None:
             pwrite_full(fd, path, 0, memoryview(load.resident_bytes(resident_state)))
             fsync(fd, path)
     for name in sorted(os.listdir(target.directory)):
-        path = os.path.join(target.directory, name)
-        size, crc = os.path.getsize(path), BlockCrc(CRC_BLOCK_BYTES)
-        fd = open_file(path, os.O_RDONLY)
-        try:
-            copy_file_crc32(fd, path, None, "", size, memoryview(bytearray(STAGING_BYTES)), crc)
-        finally:
-            os.close(fd)
-        files[name] = {"size": size, "block_crc32": crc.blocks}
+        size = os.path.getsize(os.path.join(target.directory, name))
+        files[name] = {
+            "size": size,
+            "block_crc32": file_crcs(os.path.join(target.directory, name), size, CRC_BLOCK_BYTES),
+        }
     remainder_mains = data["main_dtype"] != "fp32"
     Manifest(
         {

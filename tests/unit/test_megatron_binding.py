@@ -153,6 +153,7 @@ def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp
             {"key": [0, 0], "params": [[f"0/{i}", starts[i], n] for i, n in enumerate(numels)], "size": sum(numels)}
         ],
         "pad_for_high_nccl_busbw": False,
+        "ddp_bucket_size": None,
     }
     binding.store.close()
 

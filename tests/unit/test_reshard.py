@@ -66,7 +66,7 @@ def megatron_param_layout(model) -> dict:
             params.append([name, start, numel])
             start += numel
         buckets.append({"key": [0, index], "params": params, "size": start})
-    return {"buckets": buckets, "pad_for_high_nccl_busbw": False}
+    return {"buckets": buckets, "pad_for_high_nccl_busbw": False, "ddp_bucket_size": None}
 
 
 def test_the_offline_sharding_is_megatrons():

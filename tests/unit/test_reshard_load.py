@@ -322,7 +322,7 @@ def test_other_tp_sizes_are_refused_naming_them(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["disk-fp32", "disk-remainder"])
-def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch):
+def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch, capsys):
     """Offline, through the same reads and plan; the new ranks then load without resharding."""
     from miles_plugins.optimizers import ckpt, persistence
 
@@ -345,9 +345,8 @@ def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(t
             rank.step(step)
         rank.check(reference(STEPS))
         rank.store.close()
-    assert (
-        ckpt.main(["reshard", str(tmp_path / "ckpt"), "--dp", "3", "--out", str(out)]) == 1
-    )  # never over a checkpoint
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 1
+    assert "exists already" in capsys.readouterr().err  # never over a checkpoint
 
 
 def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_path, capsys):
@@ -393,3 +392,55 @@ def test_a_save_cut_off_while_replacing_is_read_from_its_previous_copy(tmp_path)
     resumed[0].step(1)
     resumed[0].check(reference(2))
     resumed[0].store.close()
+
+
+def _save_iteration(tmp_path, dp: int, config: dict, steps: int = 2):
+    saved = tmp_path / "ckpt" / "iter_0000002"
+    for rank in ranks(tmp_path / "a", dp, config):
+        for step in range(steps):
+            rank.step(step)
+        rank.store.save_to(str(saved / "streamed_optimizer_state"))
+        rank.store.close()
+    return saved
+
+
+@pytest.mark.parametrize("config", ["8bit", "bf16", "host"])
+def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
+    """Every storage format: the stores written offline, loaded as their own, hold what
+    a resharded load of the original checkpoint holds."""
+    from miles_plugins.optimizers import ckpt
+
+    settings = {"8bit": dict(moment_dtype="8bit"), "bf16": dict(moment_dtype="bf16"), "host": dict(tier="host")}[config]
+    saved = _save_iteration(tmp_path, 2, settings)
+    out = tmp_path / "new" / "iter_0000002"
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
+    online = ranks(tmp_path / "b", 3, settings)
+    offline = ranks(tmp_path / "c", 3, settings)
+    for a, b in zip(online, offline, strict=True):
+        assert a.store.load_from(str(saved / "streamed_optimizer_state"), expected_steps=2)
+        assert b.store.load_from(str(out / "streamed_optimizer_state"), expected_steps=2)
+        for (_, *x), (_, *y) in zip(a.store.iter_state(), b.store.iter_state(), strict=True):
+            assert all(same_bytes(u, v) for u, v in zip(x, y, strict=True))
+        a.store.close()
+        b.store.close()
+
+
+@pytest.mark.parametrize("inside", ["streamed_optimizer_state/rank2.opt0", "streamed_optimizer_state/dp3", "."])
+def test_ckpt_reshard_never_writes_into_the_state_it_reads(tmp_path, inside, capsys):
+    from miles_plugins.optimizers import ckpt
+
+    saved = _save_iteration(tmp_path, 2, {}, steps=1)
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(saved / inside)]) == 1
+    assert "lies inside the state it reads" in capsys.readouterr().err
+    assert ckpt.main(["inspect", str(saved)]) == 0  # untouched
+
+
+def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys):
+    from miles_plugins.optimizers import ckpt
+    from tests.unit.test_checkpoint import rewrite_manifest
+
+    saved = _save_iteration(tmp_path, 2, {}, steps=1)
+    path = saved / "streamed_optimizer_state" / "rank1.opt0" / "manifest.json"
+    rewrite_manifest(path, lambda d: d.update(optimizer_class="torch.optim.adam.Adam"))
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
+    assert "rank1.opt0: optimizer class differs" in capsys.readouterr().err
