@@ -44,7 +44,7 @@ from miles_plugins.optimizers.fs import (
 )
 from miles_plugins.optimizers.io import file_crcs, pwrite_full
 from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket, plan_buckets
-from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, differences
+from miles_plugins.optimizers.manifest import CHECKSUM_KEY, CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, differences
 from miles_plugins.optimizers.reshard import Piece
 from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
 
@@ -236,8 +236,9 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
     if "world_size" in topology:
         topology["world_size"] = dp
     description = {
-        **{k: first[k] for k in ("main_dtype", "moment_dtype", "moment_format", "optimizer_class")},
-        **{k: first[k] for k in ("bucket_cap_elements", "param_layout")},
+        # Every field of the saved description (formats, optimizer, the recorded layout; fields
+        # added later included), then this rank's sharding in place of the saved one.
+        **{k: v for k, v in first.items() if k not in _NOT_DESCRIPTION},
         "store": name,
         "topology": topology,
         "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
@@ -248,6 +249,14 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
         "resident_pieces": [[e.piece.key, e.piece.start, e.group] for e in resident],
     }
     return _Target(directory, description, buckets, [e.piece.numel for e in resident])
+
+
+# A manifest's fields that are not its store's description: the saved state, and what
+# Manifest.write adds.
+_NOT_DESCRIPTION = frozenset(
+    {"steps_taken", "bucket_state", "resident_state", "main_exceptions", "master_options", "files"}
+    | {"format", "format_version", "crc_block_bytes", CHECKSUM_KEY}
+)
 
 
 def _finish(target: _Target, load: ReshardedLoad, peers: list[Peer]) -> None:
