@@ -184,8 +184,13 @@ def _check(position: str, peers: list[Peer]) -> None:
     problems = []
     for peer in peers[1:]:
         problems += [f"{os.path.basename(peer.directory)}: {p}" for p in differences(peer.data, first, sharding=False)]
-    if peers_of is None or first.get("pieces") is None:
-        problems.append("it was saved before checkpoints recorded param ranges and layouts")
+    if peers_of is None:
+        problems.append(
+            "its saves record no parallel topology: a plain-PyTorch save (StreamedOptimizer, no data "
+            "parallelism to reshard), or one from before checkpoints recorded param ranges (format 3)"
+        )
+    elif first.get("pieces") is None:
+        problems.append("it was saved before checkpoints recorded param ranges (format 3)")
     elif any(p.data.get("param_layout") is None for p in peers):
         problems.append("its saves record no DDP bucket layout (not a Megatron DistributedOptimizer's state)")
     elif any(v != 1 for k, v in peers_of.items() if k.endswith("_size")) or any(

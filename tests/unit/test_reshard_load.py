@@ -444,3 +444,17 @@ def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys)
     rewrite_manifest(path, lambda d: d.update(optimizer_class="torch.optim.adam.Adam"))
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
     assert "rank1.opt0: optimizer class differs" in capsys.readouterr().err
+
+
+def test_ckpt_reshard_says_a_plain_pytorch_save_has_no_parallelism_to_reshard(tmp_path, capsys):
+    from miles_plugins.optimizers import StreamedOptimizer, ckpt
+
+    param = torch.nn.Parameter(torch.randn(1000, dtype=torch.bfloat16))
+    front = StreamedOptimizer(torch.optim.AdamW([param]), StreamConfig(directory=str(tmp_path / "s"), name="rank0"))
+    param.grad = torch.randn_like(param)
+    front.step()
+    saved = tmp_path / "ckpt" / "iter_0000001"
+    front.save_to(str(saved / "streamed_optimizer_state"))
+    front.close()
+    assert ckpt.main(["reshard", str(saved), "--dp", "2", "--out", str(tmp_path / "new")]) == 1
+    assert "no parallel topology: a plain-PyTorch save" in capsys.readouterr().err
