@@ -125,7 +125,7 @@ def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
             loaded = True
             _expect_continuation(args, store, iteration_dir(checkpoint_name, ckpt_type))
     if loaded:
-        _check_legacy_count(args, iteration_dir(checkpoint_name, ckpt_type))
+        _check_legacy_count(args, ckpt_type, iteration_dir(checkpoint_name, ckpt_type))
 
 
 # Stores loaded from a checkpoint that have not stepped since -> (the iteration
@@ -146,16 +146,18 @@ def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) 
     state comes from the directory the hook was given. They can differ: the
     legacy format with the distributed optimizer re-reads
     ``latest_checkpointed_iteration.txt`` and so ignores ``--ckpt-step``
-    (core_v0.19.0), loading params and the streamed state from the asked
-    iteration while counting from the latest. Megatron's ``args.iteration`` is
-    set from ``load_checkpoint`` by ``setup_model_and_optimizer`` and not
-    advanced by the training loop, so it is checked before the store's next step
-    and by a save that comes before any step (the run ended at once, or its first
-    steps were skipped). A caller that does not set it gets no check.
-    ``--override-ckpt-iteration`` asks for exactly that difference, and is let through.
+    (core_v0.19.0, dev), loading params and the streamed state from the asked
+    iteration while counting from the latest (refused at the load itself,
+    :func:`_check_legacy_count`). Megatron's ``args.iteration`` is set from
+    ``load_checkpoint`` by ``setup_model_and_optimizer`` and not advanced by the
+    training loop, so it is checked before the store's next step and by a save
+    that comes before any step (the run ended at once, or its first steps were
+    skipped). A caller that does not set it gets no check here.
+    ``--override-ckpt-iteration`` asks for a count of its own, and a run counting
+    from exactly that is let through.
     """
     loaded = _iteration_of(directory)
-    if loaded is None or getattr(args, "override_ckpt_iteration", None) is not None:
+    if loaded is None:
         _resumed.pop(store, None)
         return
     armed = store in _resumed
@@ -174,15 +176,17 @@ def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) 
         before_next_step(check)
 
 
-def _check_legacy_count(args: Any, directory: str) -> None:
+def _check_legacy_count(args: Any, ckpt_type: Any, directory: str) -> None:
     """Refuse, at the load, the known case of :func:`_expect_continuation` for callers
-    that keep ``load_checkpoint``'s iteration to themselves (miles does): with
-    ``--ckpt-format torch`` and the distributed optimizer, Megatron counts from the
-    iteration its tracker file names, whatever iteration was loaded."""
-    if getattr(args, "ckpt_format", None) != "torch" or not getattr(args, "use_distributed_optimizer", False):
+    that keep ``load_checkpoint``'s iteration to themselves (miles does): a legacy
+    checkpoint (``ckpt_type`` LEGACY, whatever ``--ckpt-format`` said: Megatron
+    detects the format on disk) with the distributed optimizer, where Megatron
+    counts from the iteration its tracker file names, whatever was loaded
+    (``--override-ckpt-iteration`` included: that branch overwrites it)."""
+    if getattr(ckpt_type, "name", ckpt_type) != "LEGACY" or not getattr(args, "use_distributed_optimizer", False):
         return
     loaded = _iteration_of(directory)
-    if loaded is None or getattr(args, "override_ckpt_iteration", None) is not None:
+    if loaded is None:
         return
     tracker = os.path.join(os.path.dirname(directory), "latest_checkpointed_iteration.txt")
     try:
@@ -196,19 +200,20 @@ def _check_legacy_count(args: Any, directory: str) -> None:
 
 def _check_continuation(loaded: int, directory: str, args: Any) -> None:
     current = getattr(args, "iteration", None)
-    if current is not None and current != loaded:
-        raise RuntimeError(_continuation_error(loaded, directory, current))
+    if current is None or current == loaded or current == getattr(args, "override_ckpt_iteration", None):
+        return
+    raise RuntimeError(_continuation_error(loaded, directory, current))
 
 
 def _continuation_error(loaded: int, directory: str, current: int) -> str:
     return (
         f"the streamed optimizer state was loaded from iteration {loaded} ({directory}), but Megatron continues "
         f"from iteration {current}: the optimizer state, and the params loaded with it, do not belong to the "
-        "iteration this run counts from. With --ckpt-format torch and the distributed optimizer, Megatron "
-        "ignores --ckpt-step for its iteration (it re-reads the latest checkpointed iteration); use "
-        "--ckpt-format torch_dist, or load the latest iteration; where this Megatron has "
-        "--override-ckpt-iteration, it counts from another iteration on purpose (or if the iteration "
-        "directory was renamed)"
+        "iteration this run counts from. From a legacy checkpoint (--ckpt-format torch) with the distributed "
+        "optimizer, Megatron counts from the iteration latest_checkpointed_iteration.txt names, whatever "
+        "--ckpt-step or --override-ckpt-iteration say: load that iteration, or write the one you want into "
+        "the tracker file. Elsewhere, --override-ckpt-iteration (where this Megatron has it) counts from "
+        "another iteration on purpose (or after the iteration directory was renamed)"
     )
 
 

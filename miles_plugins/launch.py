@@ -22,9 +22,9 @@ Nothing is imported ahead of the script: each module is wrapped right after
 its own code has run, when the script first imports it. Streaming still needs
 the checkpoint hooks of the patch series in the tree (``make apply-patches``):
 with ``--stream-optimizer-state-to-disk`` on the command line, the tree's
-``megatron.training.checkpointing`` is checked when the script parses its
-arguments (its ``sys.path`` set up as it wants, nothing built yet), and an
-unpatched tree is refused. Also refused: the flag given but
+``megatron.training.checkpointing`` is checked when the script has parsed its
+arguments with streaming on (its ``sys.path`` set up as it wants, nothing built
+yet), and an unpatched tree is refused. Also refused: the flag given but
 dropped by Megatron's parsing (``--yaml-cfg`` replaces the command line);
 Megatron's training loop starting without an optimizer built through
 ``setup_model_and_optimizer``; a script that never parses its arguments
@@ -169,27 +169,28 @@ def _wrap_parse(original: Callable) -> Callable:
 
         hooks = _current
         hooks.parse_called = True
-        if hooks.flag_given:
-            # Before the script spends minutes building its model: an unpatched tree
-            # would save checkpoints without the streamed state.
-            from megatron_hooks.checkpoint import HooksNotInstalledError, check_patched
-
-            try:
-                check_patched()
-            except HooksNotInstalledError as exc:
-                raise LaunchError(str(exc)) from exc
         # Before anything is built: training must be wrapped by now, even if its
         # import went around the finder (another finder resolved it first, say).
         training = sys.modules.get("megatron.training.training")
         if training is not None and not getattr(training.get_megatron_optimizer, "_miles_launch", False):
             _hook_training(training)
-        hooks.parsed = original(provider, *args, **kwargs)
+        hooks.parsed = original(provider, *args, **kwargs)  # --help exits in here, as it should
         if hooks.flag_given and not hooks.streaming:
             raise LaunchError(
                 f"{STREAM_FLAG} is on the command line, but Megatron's parsed arguments have it off: "
                 "--yaml-cfg replaces the command line with the file's arguments; set "
                 "stream_optimizer_state_to_disk (and the other streaming settings) in the yaml"
             )
+        if hooks.streaming:
+            # Before the script spends minutes building its model (streaming turned on
+            # from the command line or a yaml): an unpatched tree would save checkpoints
+            # without the streamed state.
+            from megatron_hooks.checkpoint import HooksNotInstalledError, check_patched
+
+            try:
+                check_patched()
+            except HooksNotInstalledError as exc:
+                raise LaunchError(str(exc)) from exc
         return hooks.parsed
 
     return parse_args
@@ -246,9 +247,9 @@ def run(script: str, script_args: list[str]) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
-    if hooks.streaming and not hooks.optimizers:
+    if hooks.streaming and not hooks.optimizers and not _streamed_elsewhere():
         # An evaluation-only run builds no optimizer, and that is fine; a script with
-        # its own optimizer looks the same from here, so say that nothing streamed.
+        # its own optimizer that never streamed looks the same from here: say so.
         print(
             f"miles_plugins.launch: warning: {STREAM_FLAG} was on, but {script} built no optimizer through "
             "megatron.training's setup_model_and_optimizer, so no optimizer state streamed. A script that builds "
@@ -261,6 +262,12 @@ def run(script: str, script_args: list[str]) -> None:
             f"{STREAM_FLAG} was never seen and nothing streamed. The launcher serves scripts that go through "
             "megatron.training (pretrain_gpt.py and its siblings)"
         )
+
+
+def _streamed_elsewhere() -> bool:
+    """Whether the script called setup_optimizer_state_streaming itself (and it streamed)."""
+    nvme_stream = sys.modules.get("miles_plugins.optimizers.nvme_stream")
+    return bool(nvme_stream is not None and nvme_stream.streamed_optimizers)
 
 
 def main(argv: list[str] | None = None) -> int:

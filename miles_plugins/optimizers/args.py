@@ -36,6 +36,8 @@ from miles_plugins.optimizers.config import (
 from miles_plugins.optimizers.errors import StreamConfigError
 
 STREAM_FLAG = "stream_optimizer_state_to_disk"
+MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"
+OFFERED_MOMENT_DTYPES = "_stream_optimizer_state_moment_dtypes_offered"
 # The default --offload-train-disk-dir is miles' own ($SCRATCH/miles_train_offload_<uid>):
 # one directory per node-local disk for both of miles' disk mechanisms, each in its
 # own subdirectory. The streamed state's is STATE_SUBDIR, with a scratch per rank in it.
@@ -53,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group = parser.add_argument_group("optimizer-state streaming")
         for flag, kwargs in missing:
             group.add_argument(flag, **kwargs)
+    # Which moment dtypes this parser offers (miles' lacks 8bit): a refusal then
+    # advises only what the user can ask for. A default, not a flag: nothing of miles' changes.
+    offered = parser._option_string_actions[MOMENT_FLAG].choices
+    parser.set_defaults(**{OFFERED_MOMENT_DTYPES: tuple(offered) if offered else None})
     return parser
 
 
@@ -353,12 +359,15 @@ def validate_args(args: argparse.Namespace) -> None:
     reasons = refusals_of_args(args)
     if not _get(args, "offload_train_disk_dir"):
         args.offload_train_disk_dir = default_directory()
-    if not reasons:  # the settings themselves (moment dtype, staging budget, ...), as the store will check them
-        try:
-            config_from_args(args, name="rank0")
-        except StreamConfigError as exc:
-            flags = [flag for setting, flag in _SETTING_FLAGS.items() if str(exc).startswith(setting)]
-            reasons.append(f"{flags[0]}: {exc}" if flags else str(exc))
+    try:  # the settings themselves (moment dtype, staging budget, ...), as the store will check them
+        config_from_args(args, name="rank0")
+    except StreamConfigError as exc:
+        flags = [flag for setting, flag in _SETTING_FLAGS.items() if str(exc).startswith(setting)]
+        reason = f"{flags[0]}: {exc}" if flags else str(exc)
+        offered = _get(args, OFFERED_MOMENT_DTYPES)
+        if flags == [MOMENT_FLAG] and offered and "8bit" not in offered:
+            reason += f" (this launcher's {MOMENT_FLAG} offers {', '.join(offered)}: of those, bf16)"
+        reasons.append(reason)
     if reasons:
         raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
 
@@ -370,9 +379,8 @@ _SETTING_FLAGS = {
     "buckets in flight": "--stream-optimizer-state-buckets-in-flight",
     "bucket cap": "--stream-optimizer-state-bucket-cap",
     "io timeout": "--stream-optimizer-state-io-timeout",
-    "moment dtype": "--stream-optimizer-state-moment-dtype",
-    "unknown moment dtype": "--stream-optimizer-state-moment-dtype",
-    "directory": "--offload-train-disk-dir",
+    "moment dtype": MOMENT_FLAG,
+    "unknown moment dtype": MOMENT_FLAG,
 }
 
 

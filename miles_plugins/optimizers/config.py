@@ -146,7 +146,7 @@ class StreamConfig:
             raise StreamConfigError(
                 f"moment dtype {self.moment_dtype!r} is no longer offered: "
                 f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; for compact moments use bf16, or 8bit (scaled per "
-                "block) where your launcher's --stream-optimizer-state-moment-dtype offers it"
+                "block)"
             )
         if self.moment_dtype not in MOMENT_DTYPES:
             raise StreamConfigError(

@@ -582,7 +582,8 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
 def _staging_share(config: StreamConfig, stores: int) -> int:
     """Each store's part of the rank's staging budget: the budget bounds the rank's
     pinned host memory (what miles documents for --offload-train-disk-chunk-mb),
-    whether the chain holds one optimizer or a dense and an expert one."""
+    however many distributed optimizers the chain holds (dense, expert, or a
+    dense part split in two for an overlapped param gather)."""
     share = config.staging_budget_mb // max(stores, 1)
     if stores > 1:
         try:
@@ -591,6 +592,6 @@ def _staging_share(config: StreamConfig, stores: int) -> int:
             raise StreamConfigError(
                 f"the staging budget (--offload-train-disk-chunk-mb, staging_budget_mb) of "
                 f"{config.staging_budget_mb} MiB is shared by this rank's {stores} distributed optimizers "
-                f"(dense and expert), {share} MiB each: {exc}"
+                f"(the chain's: dense, expert, ...), {share} MiB each: {exc}"
             ) from None
     return share

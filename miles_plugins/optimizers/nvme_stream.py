@@ -28,6 +28,11 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# Distributed optimizers this process streams through setup_optimizer_state_streaming
+# (the launcher reads it: a script that calls it itself has streamed).
+streamed_optimizers = 0
+
+
 def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) -> list[MegatronBinding]:
     """Turn streaming on for ``optimizer`` when ``args`` asks for it.
 
@@ -42,7 +47,10 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
     validate_args(args)
     name = f"rank{_global_rank()}"
     _purge_previous_layout(args.offload_train_disk_dir, name)
-    return stream_optimizer_state(optimizer, config_from_args(args, name=name))
+    bindings = stream_optimizer_state(optimizer, config_from_args(args, name=name))
+    global streamed_optimizers
+    streamed_optimizers += len(bindings)
+    return bindings
 
 
 def _purge_previous_layout(directory: str, name: str) -> None:

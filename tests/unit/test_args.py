@@ -214,7 +214,11 @@ def test_under_miles_the_store_lives_in_a_subdirectory_of_miles_directory(monkey
         (["--offload-train-disk-chunk-mb", "3"], "--offload-train-disk-chunk-mb: staging budget 3 MiB is too small"),
         (["--offload-train-disk-chunk-mb", "0"], "--offload-train-disk-chunk-mb: staging budget must be a positive"),
         (["--stream-optimizer-state-io-threads", "0"], "--stream-optimizer-state-io-threads: io threads must be"),
-        (["--stream-optimizer-state-moment-dtype", "fp16"], "--stream-optimizer-state-moment-dtype: moment dtype"),
+        (
+            ["--stream-optimizer-state-moment-dtype", "fp16"],
+            "(this launcher's --stream-optimizer-state-moment-dtype offers fp32, bf16, fp16, fp8e4m3, fp8e5m2: "
+            "of those, bf16)",  # miles' parser does not offer 8bit: the advice does not either
+        ),
     ],
 )
 def test_a_refused_setting_names_the_flag_that_set_it(flags, message):
@@ -225,3 +229,14 @@ def test_a_refused_setting_names_the_flag_that_set_it(flags, message):
     args.use_distributed_optimizer, args.optimizer = True, "adam"
     with pytest.raises(StreamConfigError, match=re.escape(message)):
         validate_args(args)
+
+
+def test_a_refused_setting_is_reported_beside_the_other_refusals():
+    """All at once: a bad staging budget does not hide behind another refusal, nor it behind it."""
+    parser = _miles_parser()
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-optimizer-state-to-disk", "--offload-train-disk-chunk-mb", "0"])
+    args.use_distributed_optimizer, args.optimizer, args.log_params_norm = True, "adam", True
+    with pytest.raises(StreamConfigError) as info:
+        validate_args(args)
+    assert "--log-params-norm" in str(info.value) and "--offload-train-disk-chunk-mb: staging budget" in str(info.value)

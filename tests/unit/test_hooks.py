@@ -200,22 +200,37 @@ def test_a_second_load_replaces_what_the_first_expected(tmp_path):
     front.close()
 
 
-@pytest.mark.parametrize("override", [None, 20])
-def test_a_legacy_load_megatron_counts_from_the_tracker_is_refused_at_the_load(tmp_path, override):
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(ckpt_format="torch"),
+        dict(ckpt_format="torch_dist"),  # Megatron detects the legacy format on disk whatever this says
+        dict(ckpt_format="torch", override_ckpt_iteration=10),  # that branch overwrites the override too
+    ],
+    ids=["torch", "detected", "override"],
+)
+def test_a_legacy_load_megatron_counts_from_the_tracker_is_refused_at_the_load(tmp_path, args):
     """For callers that keep load_checkpoint's iteration to themselves (miles sets no
-    args.iteration): --ckpt-format torch with the distributed optimizer counts from the
-    tracker file's iteration, so a load of another one is refused right there."""
+    args.iteration): from a legacy checkpoint with the distributed optimizer Megatron
+    counts from the tracker file's iteration, so a load of another one is refused right there."""
     param, front, holder = streamed(tmp_path, "rank0.opt0", 0)
     ckpt = tmp_path / "ckpt"
     name = str(ckpt / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt")  # the legacy format's file
     hooks.save(types.SimpleNamespace(no_save_optim=False), holder, name, "LEGACY")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("20")
-    args = types.SimpleNamespace(ckpt_format="torch", use_distributed_optimizer=True, override_ckpt_iteration=override)
-    if override is None:
-        with pytest.raises(RuntimeError, match=r"loaded from iteration 10 .* continues from iteration 20"):
-            hooks.load(args, holder, name, "LEGACY")
-    else:
-        hooks.load(args, holder, name, "LEGACY")  # asked for on purpose
+    load_args = types.SimpleNamespace(use_distributed_optimizer=True, **args)
+    with pytest.raises(RuntimeError, match=r"loaded from iteration 10 .* continues from iteration 20"):
+        hooks.load(load_args, holder, name, "LEGACY")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
-    hooks.load(types.SimpleNamespace(ckpt_format="torch", use_distributed_optimizer=True), holder, name, "LEGACY")
+    hooks.load(load_args, holder, name, "LEGACY")  # the tracker's own iteration loads
+    front.close()
+
+
+def test_a_torch_dist_load_is_not_judged_by_the_tracker(tmp_path):
+    """--auto-detect-ckpt-format from a torch_dist iteration: Megatron counts from the loaded one."""
+    param, front, holder = streamed(tmp_path, "rank0.opt0", 0)
+    name = str(tmp_path / "ckpt" / "iter_0000010")
+    hooks.save(types.SimpleNamespace(no_save_optim=False), holder, name, "GLOBAL")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("20")
+    hooks.load(types.SimpleNamespace(ckpt_format="torch", use_distributed_optimizer=True), holder, name, "GLOBAL")
     front.close()

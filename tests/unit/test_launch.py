@@ -315,3 +315,29 @@ def test_training_is_wrapped_however_its_import_went(tmp_path, prelude):
     result = _launch(script)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wrapped: True" in result.stdout
+
+
+def test_help_on_an_unpatched_tree_prints_help(tmp_path):
+    result = _launch(_tree(tmp_path, patched=False), "--stream-optimizer-state-to-disk", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--stream-optimizer-state-tier" in result.stdout
+
+
+def test_a_script_that_streams_its_own_optimizer_gets_no_warning(tmp_path):
+    """It parses through megatron.training and calls setup_optimizer_state_streaming itself,
+    as the README advises; the call's count stands in for a real DistributedOptimizer
+    here (that needs CUDA), the launcher reads only the count."""
+    script = _tree(
+        tmp_path,
+        script="""
+            from megatron.training.arguments import parse_and_validate_args
+            from miles_plugins.optimizers import nvme_stream
+
+            parse_and_validate_args()
+            nvme_stream.streamed_optimizers += 1  # what setup_optimizer_state_streaming counts
+            print("own loop trained")
+        """,
+    )
+    result = _launch(script, "--stream-optimizer-state-to-disk")
+    assert result.returncode == 0 and "own loop trained" in result.stdout, result.stderr
+    assert "warning" not in result.stderr
