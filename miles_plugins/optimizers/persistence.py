@@ -21,6 +21,10 @@ spare, so its files are checked in a first read and copied in a second. A load
 refused before the commit leaves the store exactly as it was; a failure after
 it (an I/O error or a checksum that changed between the two host-tier reads)
 marks the store damaged, so it refuses to step.
+
+When this store has no save of its own under ``base_dir``, or its save differs
+only in the data-parallel sharding, ``load`` rebuilds the state from its peers'
+saves instead (``reshard_load.py``): the same checks, the same commit.
 """
 
 from __future__ import annotations
