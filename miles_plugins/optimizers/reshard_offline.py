@@ -82,7 +82,7 @@ class _Target:
     def __init__(self, directory: str, description: dict, buckets: list[BucketLayout], resident: list[int]) -> None:
         self.directory, self.description, self.buckets = directory, description, buckets
         self.resident_mains = [torch.empty(n, device="meta") for n in resident]
-        self.backing = self
+        self.backing = self  # its own backing: open() below gives the write handles
 
     def buffer(self) -> _Staging:
         return _STAGING
