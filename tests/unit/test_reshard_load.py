@@ -132,12 +132,17 @@ def ranks(tmp_path, dp: int, config: dict, model=MODEL) -> list[Rank]:
     return [Rank(tmp_path, dp, r, shards[r], config) for r in range(dp)]
 
 
-def _saved(tmp_path, dp: int) -> None:
-    """Every rank of DP=``dp`` steps once and saves into ``tmp_path/ckpt``."""
-    for rank in ranks(tmp_path / "a", dp, {}):
-        rank.step(0)
-        rank.store.save_to(str(tmp_path / "ckpt"))
+def _saved(tmp_path, dp: int, config: dict | None = None, steps: int = 1, iteration: str | None = None):
+    """Every rank of DP=``dp`` takes ``steps`` steps and saves into ``tmp_path/ckpt``, or into
+    the ``streamed_optimizer_state/`` of ``tmp_path/ckpt/<iteration>``; returns that iteration's
+    directory (None without one)."""
+    saved = tmp_path / "ckpt" / iteration if iteration else None
+    for rank in ranks(tmp_path / "a", dp, config or {}):
+        for step in range(steps):
+            rank.step(step)
+        rank.store.save_to(str(saved / "streamed_optimizer_state" if saved else tmp_path / "ckpt"))
         rank.store.close()
+    return saved
 
 
 CONFIGS = {
@@ -258,12 +263,7 @@ def test_8bit_moments_reshard_by_quantizing_the_saved_values_in_the_new_blocks(t
 )
 def test_another_layout_at_the_same_dp_size_is_rebuilt_from_the_saved_pieces(tmp_path, change, config, model):
     """Same topology, other entries: the saved pieces, not the sizes, decide what goes where."""
-    saving = ranks(tmp_path / "a", 2, {})
-    for rank in saving:
-        for step in range(SAVE_AT):
-            rank.step(step)
-        rank.store.save_to(str(tmp_path / "ckpt"))
-        rank.store.close()
+    _saved(tmp_path, 2, steps=SAVE_AT)
     resumed = ranks(tmp_path / "b", 2, config, model)
     for rank in resumed:
         rank.load_params(reference(SAVE_AT))
@@ -326,13 +326,7 @@ def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(t
     """Offline, through the same reads and plan; the new ranks then load without resharding."""
     from miles_plugins.optimizers import ckpt, persistence
 
-    saved = tmp_path / "ckpt" / "iter_0000003"
-    saving = ranks(tmp_path / "a", 2, CONFIGS[config])
-    for rank in saving:
-        for step in range(SAVE_AT):
-            rank.step(step)
-        rank.store.save_to(str(saved / "streamed_optimizer_state"))
-        rank.store.close()
+    saved = _saved(tmp_path, 2, CONFIGS[config], SAVE_AT, "iter_0000003")
     out = tmp_path / "new" / "iter_0000003"
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
     assert ckpt.main(["inspect", str(out)]) == 0
@@ -352,11 +346,7 @@ def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(t
 def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_path, capsys):
     from miles_plugins.optimizers import ckpt
 
-    saved = tmp_path / "ckpt" / "iter_0000001"
-    for rank in ranks(tmp_path / "a", 2, {}):
-        rank.step(0)
-        rank.store.save_to(str(saved / "streamed_optimizer_state"))
-        rank.store.close()
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
     path = saved / "streamed_optimizer_state" / "rank1.opt0" / "bucket_00001.bin"
     data = bytearray(path.read_bytes())
     data[7] ^= 1
@@ -371,12 +361,9 @@ def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, cap
     from miles_plugins.optimizers import ckpt
     from tests.unit.test_checkpoint import rewrite_manifest
 
-    saved = tmp_path / "ckpt" / "iter_0000001"
-    for rank in ranks(tmp_path / "a", 2, {}):
-        rank.step(0)
-        rank.store.save_to(str(saved / "streamed_optimizer_state"))
-        rank.store.close()
-        path = saved / "streamed_optimizer_state" / rank.store.config.name / "manifest.json"
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
+    for r in range(2):
+        path = saved / "streamed_optimizer_state" / f"rank{r}.opt0" / "manifest.json"
         rewrite_manifest(path, lambda d: d["topology"]["shard_peers"].update(tp_size=2))
     assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(tmp_path / "new")]) == 1
     assert "saved with dp_size 2, pp_size 1, tp_size 2: new stores are named by global rank" in capsys.readouterr().err
@@ -394,16 +381,6 @@ def test_a_save_cut_off_while_replacing_is_read_from_its_previous_copy(tmp_path)
     resumed[0].store.close()
 
 
-def _save_iteration(tmp_path, dp: int, config: dict, steps: int = 2):
-    saved = tmp_path / "ckpt" / "iter_0000002"
-    for rank in ranks(tmp_path / "a", dp, config):
-        for step in range(steps):
-            rank.step(step)
-        rank.store.save_to(str(saved / "streamed_optimizer_state"))
-        rank.store.close()
-    return saved
-
-
 @pytest.mark.parametrize("config", ["8bit", "bf16", "host"])
 def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
     """Every storage format: the stores written offline, loaded as their own, hold what
@@ -411,7 +388,7 @@ def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
     from miles_plugins.optimizers import ckpt
 
     settings = {"8bit": dict(moment_dtype="8bit"), "bf16": dict(moment_dtype="bf16"), "host": dict(tier="host")}[config]
-    saved = _save_iteration(tmp_path, 2, settings)
+    saved = _saved(tmp_path, 2, settings, 2, "iter_0000002")
     out = tmp_path / "new" / "iter_0000002"
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
     online = ranks(tmp_path / "b", 3, settings)
@@ -429,7 +406,7 @@ def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
 def test_ckpt_reshard_never_writes_into_the_state_it_reads(tmp_path, inside, capsys):
     from miles_plugins.optimizers import ckpt
 
-    saved = _save_iteration(tmp_path, 2, {}, steps=1)
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(saved / inside)]) == 1
     assert "lies inside the state it reads" in capsys.readouterr().err
     assert ckpt.main(["inspect", str(saved)]) == 0  # untouched
@@ -439,7 +416,7 @@ def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys)
     from miles_plugins.optimizers import ckpt
     from tests.unit.test_checkpoint import rewrite_manifest
 
-    saved = _save_iteration(tmp_path, 2, {}, steps=1)
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
     path = saved / "streamed_optimizer_state" / "rank1.opt0" / "manifest.json"
     rewrite_manifest(path, lambda d: d.update(optimizer_class="torch.optim.adam.Adam"))
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
