@@ -163,7 +163,7 @@ class MegatronBinding:
             config,
             copy_to_model=self._copy_main_to_param_buffer,
             topology=self._topology(),
-            param_layout=self._param_layout(),
+            param_layout=param_layout(dist_opt, self.names),
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook
         # has restored the files it promises (it stays set when that load fails).
@@ -270,35 +270,6 @@ class MegatronBinding:
             "dp_size": opt.data_parallel_group.size(),
             "dp_rank": opt.data_parallel_group.rank(),
             "optimizer_instance": opt.distributed_optimizer_instance_id,
-        }
-
-    def _param_layout(self) -> dict | None:
-        """Every param of each DDP bucket this optimizer shards, in the order the range
-        maps list them ([name, start in the bucket, numel]), with the bucket's unpadded
-        size and the padding rule: from it, ``ckpt reshard`` computes Megatron's
-        sharding at another DP size (each bucket padded to a multiple of
-        lcm(dp, 128[, 2**16]), cut into dp equal ranges). None where the buffers
-        do not expose ``param_index_map``."""
-        opt = self.dist_opt
-        buckets = []
-        for gbuf_index, buffer in enumerate(opt.buffers):
-            index_map = getattr(buffer, "param_index_map", None)
-            if index_map is None:
-                return None
-            for bucket_index, bucket in enumerate(buffer.buckets):
-                params = [
-                    [self.names.get(p), start - bucket.offset, end - start]
-                    for p, (start, end, b) in index_map.items()
-                    if b == bucket_index
-                ]
-                size = max((start + numel for _, start, numel in params), default=0)
-                buckets.append({"key": [gbuf_index, bucket_index], "params": params, "size": size})
-        ddp_config = getattr(opt, "ddp_config", None)
-        return {
-            "buckets": buckets,
-            "pad_for_high_nccl_busbw": bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
-            # Megatron's default grows with DP above 40 (max(4e7, 1e6 * dp)): then another DP buckets differently.
-            "ddp_bucket_size": getattr(ddp_config, "bucket_size", None),
         }
 
     # ---- entries ---------------------------------------------------------------
@@ -548,6 +519,34 @@ class MegatronBinding:
         """Yield (entry, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket at a time."""
         for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
             yield self.entries[index], main, exp_avg, exp_avg_sq
+
+
+def param_layout(dist_opt: Any, names: dict) -> dict | None:
+    """Every param of each DDP bucket ``dist_opt`` shards, in the order the range maps
+    list them ([name, start in the bucket, numel]), with the bucket's unpadded size
+    and the padding rule: from it, ``ckpt reshard`` computes Megatron's sharding at
+    another DP size (each bucket padded to a multiple of lcm(dp, 128[, 2**16]), cut
+    into dp equal ranges). None where the buffers do not expose ``param_index_map``."""
+    buckets = []
+    for gbuf_index, buffer in enumerate(dist_opt.buffers):
+        index_map = getattr(buffer, "param_index_map", None)
+        if index_map is None:
+            return None
+        for bucket_index, bucket in enumerate(buffer.buckets):
+            params = [
+                [names.get(p), start - bucket.offset, end - start]
+                for p, (start, end, b) in index_map.items()
+                if b == bucket_index
+            ]
+            size = max((start + numel for _, start, numel in params), default=0)
+            buckets.append({"key": [gbuf_index, bucket_index], "params": params, "size": size})
+    ddp_config = getattr(dist_opt, "ddp_config", None)
+    return {
+        "buckets": buckets,
+        "pad_for_high_nccl_busbw": bool(getattr(ddp_config, "pad_buckets_for_high_nccl_busbw", False)),
+        # Megatron's default grows with DP above 40 (max(4e7, 1e6 * dp)): then another DP buckets differently.
+        "ddp_bucket_size": getattr(ddp_config, "bucket_size", None),
+    }
 
 
 def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:

@@ -79,9 +79,8 @@ class StreamingStore:
             rank's coordinates), recorded by ``save_to`` and required equal by
             ``load_from`` (``shard_peers``: which other ranks' saves a load at
             another data-parallel size may read, ``reshard_load.py``).
-        param_layout: where every param of the state sits in its data-parallel
-            buffers (the Megatron binding's ``_param_layout``), recorded for
-            offline resharding; None where there is none.
+        param_layout: where every param sits in its data-parallel buffers
+            (``megatron.param_layout``), for offline resharding; or None.
         grad_bytes_per_element: device bytes ``grad_fn`` allocates per element
             of the bucket being updated (4 where it widens bf16 grads to fp32;
             0 where the fp32 grads exist already, as Megatron's do): part of
@@ -159,14 +158,9 @@ class StreamingStore:
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
                 config.name,
-                {
-                    **_description(
-                        config, self.entries, self.buckets, self._resident_entries, backend.master, topology
-                    ),
-                    # Not compared by a load: what an offline reshard needs (ckpt.py reshard).
-                    "bucket_cap_elements": config.bucket_cap_elements,
-                    "param_layout": param_layout,
-                },
+                _description(
+                    config, self.entries, self.buckets, self._resident_entries, backend.master, topology, param_layout
+                ),
                 self.buckets,
                 self._backing,
                 self._bucket_optimizers,
@@ -507,9 +501,12 @@ def _log_setup(store: StreamingStore) -> None:
         )
 
 
-def _description(config: StreamConfig, entries, buckets, resident_entries, master, topology: dict | None) -> dict:
-    """What a checkpoint of this store records and a load must match (``manifest.COMPARED_FIELDS``),
-    and which elements of which param each entry holds (``pieces``, not compared)."""
+def _description(
+    config: StreamConfig, entries, buckets, resident_entries, master, topology: dict | None, param_layout: dict | None
+) -> dict:
+    """What a checkpoint of this store records and a load must match (``manifest.COMPARED_FIELDS``);
+    beside it, not compared: which elements of which param each entry holds (``pieces``) and
+    what an offline reshard needs (the bucket cap, ``param_layout``)."""
 
     def pieces(indices: Sequence[int]) -> list:
         return [[entries[i].name, entries[i].start, entries[i].group_index] for i in indices]
@@ -525,6 +522,8 @@ def _description(config: StreamConfig, entries, buckets, resident_entries, maste
         "pieces": [pieces(b.entry_indices) for b in buckets],
         "resident_pieces": pieces(resident_entries),
         "optimizer_class": f"{type(master).__module__}.{type(master).__qualname__}",
+        "bucket_cap_elements": config.bucket_cap_elements,
+        "param_layout": param_layout,
     }
 
 

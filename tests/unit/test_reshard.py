@@ -56,7 +56,7 @@ def megatron_shards(model, dp: int) -> tuple[list[list[Piece]], list[int]]:
 
 
 def megatron_param_layout(model) -> dict:
-    """What the Megatron binding records of these buckets (``MegatronBinding._param_layout``):
+    """What the Megatron binding records of these buckets (``megatron.param_layout``):
     per bucket, its params in the range maps' order with their start in the bucket."""
     buckets = []
     for index, bucket in enumerate(model):
