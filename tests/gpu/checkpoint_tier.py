@@ -17,7 +17,8 @@ series was applied to::
   dtype, a checkpoint written without streaming, a truncated bucket file.
 - ``reshard-save`` / ``reshard-resume`` (``--mode resident|streamed``, ``--moe``):
   K steps and a save at one DP size, a resume and K more steps at another; the
-  resident run (Megatron's own reshard, fully reshardable) is the reference.
+  resident run (Megatron's own reshard of its default ``dp_reshardable`` optimizer
+  state) is the reference.
 
 Every phase writes ``<work>/<phase>[-<format>].json``.
 """
@@ -81,11 +82,11 @@ def streamed(work: str, scratch: str, moment_dtype: str = "fp32", moe: bool = Fa
     return ddp, opt, sched, baseline, bindings
 
 
-def phase_reference(work: str) -> dict:
+def phase_reference(work: str, moe: bool) -> dict:
     from megatron.training.checkpointing import save_checkpoint
 
     megatron_args(work, "torch_dist", os.path.join(work, "ckpt_unstreamed"))
-    ddp, opt, sched, baseline = build(False, 1)
+    ddp, opt, sched, baseline = build(moe, 1)
     first = train(ddp, opt, sched, baseline, K)
     save_checkpoint(K, [ddp], opt, sched, 0)
     second = train(ddp, opt, sched, baseline, K, start=K)
@@ -130,12 +131,11 @@ def phase_resume(work: str, ckpt_format: str) -> dict:
     }
 
 
-# Megatron's own resume at another DP size needs an optimizer state saved fully reshardable.
-RESHARDABLE = ("--dist-ckpt-optim-fully-reshardable",)
-
-
 def _reshard_model(work: str, mode: str, moe: bool, scratch: str):
-    megatron_args(work, "torch_dist", os.path.join(work, f"reshard_{mode}"), RESHARDABLE)
+    # Megatron's default sharding of its own optimizer state (dp_reshardable) reshards across
+    # DP. Not --dist-ckpt-optim-fully-reshardable: core 0.19.2 cannot load that into torch
+    # Adam: KeyError 'step' in _set_main_param_and_optimizer_states.
+    megatron_args(work, "torch_dist", os.path.join(work, f"reshard_{mode}"))
     if mode == "resident":
         return (*build(moe, 1), None)
     return streamed(work, scratch, moe=moe)
@@ -246,14 +246,14 @@ def main() -> None:
     parser.add_argument("--work", required=True)
     parser.add_argument("--format", default="torch_dist", choices=["torch_dist", "torch"])
     parser.add_argument("--mode", default="streamed", choices=["resident", "streamed"], help="reshard phases")
-    parser.add_argument("--moe", action="store_true", help="reshard phases: a MoE GPT (EP=1)")
+    parser.add_argument("--moe", action="store_true", help="reference and reshard phases: a MoE GPT (EP=1)")
     args = parser.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.makedirs(args.work, exist_ok=True)
     init_distributed(1)
     torch.use_deterministic_algorithms(True)
     run = {
-        "reference": lambda: phase_reference(args.work),
+        "reference": lambda: phase_reference(args.work, args.moe),
         "save": lambda: phase_save(args.work, args.format),
         "resume": lambda: phase_resume(args.work, args.format),
         "refuse": lambda: phase_refuse(args.work),

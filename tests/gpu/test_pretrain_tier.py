@@ -89,14 +89,17 @@ def test_pretrain_gpt_streamed_through_the_launcher_is_byte_identical(tmp_path, 
 
 
 @NEEDS_TREE
-def test_legacy_ckpt_step_that_megatron_does_not_count_from_is_refused(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_legacy_ckpt_step_that_megatron_does_not_count_from_is_refused(tmp_path, nproc):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
     stream = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path / "nvme")]
     legacy = ["--ckpt-format", "torch", "--save-interval", "3"]
-    saved, _ = _run(tmp_path, "saved", 2, "--exit-interval", "6", "--save", str(tmp_path / "ckpt"), *legacy, *stream)
+    saved, _ = _run(
+        tmp_path, "saved", nproc, "--exit-interval", "6", "--save", str(tmp_path / "ckpt"), *legacy, *stream
+    )
     assert len(saved) == 6
     load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"]
-    resumed, log = _run(tmp_path, "resumed", 2, *load, *legacy, *stream, ok=False)
+    resumed, log = _run(tmp_path, "resumed", nproc, *load, *legacy, *stream, ok=False)
     assert resumed == []
     assert "loaded from iteration 3" in log and "continues from iteration 6" in log, log[-6000:]
