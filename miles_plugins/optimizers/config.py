@@ -32,8 +32,14 @@ REMOVED_MOMENT_DTYPES: dict[str, str] = {
 }
 
 # Where the streamed state lives between steps: per-bucket files (node-local NVMe)
-# or pinned host memory.
+# or pinned host memory. ``tier`` is the home of every bucket the budgets below
+# do not place.
 TIERS = ("disk", "host")
+
+# A bucket's home between steps, in the order buckets fill them: the compute
+# device's own memory (``gpu``: no transfer over PCIe or to a drive; on a machine
+# without CUDA, the CPU's), pinned host memory (``host``), files (``disk``).
+HOMES = ("gpu", "host", "disk")
 
 # How buckets move: "pipelined" reads bucket i+1 and writes bucket i-1 while bucket
 # i computes, with direct I/O and several requests in flight; "sync" is the simple
@@ -101,8 +107,18 @@ class StreamConfig:
             ``MIN_STAGING_CHUNK_MB``: a smaller budget gets fewer threads); the
             sync engine uses it whole as its one chunk. Streaming's host memory
             is bounded by it (``staging_bytes_total``).
-        tier: ``"disk"`` (per-bucket files under ``directory``) or ``"host"``
-            (pinned host memory; ``directory`` is then unused by the step).
+        tier: the home of the buckets the budgets leave: ``"disk"`` (per-bucket
+            files under ``directory``) or ``"host"`` (pinned host memory;
+            ``directory`` is then unused by the step).
+        gpu_budget_bytes: device memory the stored state of buckets kept on the
+            device may take (the ``gpu`` home: a step copies them device to
+            device, no PCIe or drive). Buckets fill it first, from the last the
+            step visits backwards (so the disk buckets' transfers overlap the
+            others' updates), each taking its stored size.
+        host_budget_bytes: pinned host memory for buckets the GPU budget did not
+            take (the ``host`` home), filled next, the same way; the rest go to
+            ``tier``. A bucket larger than what is left of a budget goes on to
+            the next home. Placement never changes a result or a checkpoint.
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
             one-bucket-at-a-time baseline with buffered I/O).
         buckets_in_flight: pipelined engine: the most buckets materialized on
@@ -135,6 +151,8 @@ class StreamConfig:
     direct_io: bool = True
     main_storage: str = "fp32"
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
+    gpu_budget_bytes: int = 0
+    host_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.tier == "disk" and (not isinstance(self.directory, str) or not self.directory):
@@ -166,6 +184,12 @@ class StreamConfig:
             if getattr(self, field) not in choices:
                 raise StreamConfigError(
                     f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"
+                )
+        for field in ("gpu_budget_bytes", "host_budget_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StreamConfigError(
+                    f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more, got {value!r}"
                 )
         for field in ("buckets_in_flight", "io_threads"):
             value = getattr(self, field)

@@ -196,6 +196,9 @@ class FileBacking:
         finally:
             handle.close()
 
+    def release(self) -> None:
+        """Nothing to give back: the files go with the scratch directory."""
+
 
 def _direct_io_works(path: str) -> bool:
     try:
@@ -214,8 +217,9 @@ def _direct_io_works(path: str) -> bool:
     return True
 
 
-class HostHandle:
-    """One bucket's host buffer; chunks copy straight between it and the device."""
+class BufferHandle:
+    """One bucket's buffer in memory (host or device); chunks copy straight between
+    it and the tensors being streamed."""
 
     def __init__(self, buffer: torch.Tensor, name: str) -> None:
         self.buffer = buffer
@@ -253,8 +257,8 @@ class HostBacking:
                 errno.ENOMEM,
             ) from exc
 
-    def open(self, bucket: BucketLayout, in_place: bool = True) -> HostHandle:
-        return HostHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")
+    def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
+        return BufferHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")
 
     def commit(self) -> None:
         pass
@@ -274,6 +278,58 @@ class HostBacking:
     def release(self) -> None:
         for memory in self.buffers.values():
             memory.release()
+        self.buffers.clear()
+
+
+class DeviceBacking:
+    """The state in one buffer per bucket in the compute device's memory (the
+    ``gpu`` home): a step's reads and writes are device-to-device copies, with no
+    PCIe transfer and no drive. The buffer holds the stored format, so a bucket
+    here costs its stored size between steps and computes exactly as anywhere
+    else. One copy, written in place, as the host home."""
+
+    keeps_previous_state = False
+
+    def __init__(self, buckets: Sequence[BucketLayout], device: torch.device) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        for bucket in buckets:
+            try:
+                self.buffers[bucket.index] = torch.empty(bucket.file_size, dtype=torch.uint8, device=device)
+            except RuntimeError as exc:  # torch.OutOfMemoryError is one
+                self.release()
+                raise StreamIOError(
+                    f"cannot keep bucket {bucket.index} ({bucket.file_size} bytes) in {device} memory: {exc}; "
+                    "lower the GPU budget",
+                    f"<device bucket {bucket.index}>",
+                    0,
+                    errno.ENOMEM,
+                ) from exc
+
+    def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
+        return BufferHandle(self.buffers[bucket.index], f"<device memory of bucket {bucket.index}>")
+
+    def commit(self) -> None:
+        pass
+
+    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
+        """Copy the bucket's bytes into an open file through the host ``buffer``, chunk by chunk."""
+        data = self.buffers[bucket.index]
+        for start in range(0, data.numel(), buffer.nbytes):
+            n = min(buffer.nbytes, data.numel() - start)
+            buffer.tensor[:n].copy_(data[start : start + n])
+            pwrite_full(dst_fd, dst_path, start, buffer.view[:n])
+            crc.update(buffer.view[:n])
+
+    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
+        """Copy the bucket's bytes from an open file into its buffer, in place, through ``crc``."""
+        data = self.buffers[bucket.index]
+        for start in range(0, data.numel(), buffer.nbytes):
+            n = min(buffer.nbytes, data.numel() - start)
+            pread_full(src_fd, src_path, start, buffer.view[:n])
+            crc.update(buffer.view[:n])
+            data[start : start + n].copy_(buffer.tensor[:n])
+
+    def release(self) -> None:
         self.buffers.clear()
 
 

@@ -27,11 +27,11 @@ import torch
 from miles_plugins.optimizers import quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, HOMES, MIN_STAGING_CHUNK_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
-from miles_plugins.optimizers.io import FileBacking, HostBacking, PipelinedEngine, SyncEngine
+from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.layout import (
     MAIN_DTYPE,
     MATERIALIZED_BYTES_PER_ELEMENT,
@@ -41,6 +41,7 @@ from miles_plugins.optimizers.layout import (
 )
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.placement import PlacedBacking, assign_homes
 from miles_plugins.optimizers.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)
@@ -135,14 +136,15 @@ class StreamingStore:
         )
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
-        # Disk tier: checks free space and the directory before anything is written.
-        self.scratch = (
-            ScratchDir(config.directory, config.name, FileBacking.bytes_needed(self.buckets))
-            if config.tier == "disk"
-            else None
-        )
+        # Each bucket's home (placement.py). Buckets on disk: free space and the
+        # directory are checked before anything is written.
+        self.homes = assign_homes(self.buckets, config)
+        on_disk = [b for b in self.buckets if self.homes[b.index] == "disk"]
+        self.scratch = ScratchDir(config.directory, config.name, FileBacking.bytes_needed(on_disk)) if on_disk else None
         try:
-            self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.scratch, self._device)
+            self._backing, self._engine = _open_backing_and_engine(
+                config, self.buckets, self.homes, self.scratch, self._device
+            )
             codec = Codec(self.buckets)
             self._pipeline = Pipeline(
                 self.entries,
@@ -181,8 +183,26 @@ class StreamingStore:
 
     @property
     def location(self) -> str:
-        """Where the state lives: the scratch directory, or host memory."""
-        return self.scratch.path if self.scratch is not None else "pinned host memory"
+        """Where the state lives: the scratch directory, host memory, device memory
+        (those in use, with their bucket counts when more than one)."""
+        counts = self.placement
+        where = {"gpu": f"{self._device.type} memory", "host": "pinned host memory"}
+        if self.scratch is not None:
+            where["disk"] = self.scratch.path
+        used = [home for home, n in counts.items() if n]
+        if len(used) <= 1:
+            return where[used[0]] if used else where.get("disk", where["host"])
+        return ", ".join(f"{where[home]} ({counts[home]} buckets)" for home in used)
+
+    @property
+    def placement(self) -> dict[str, int]:
+        """Buckets per home (``gpu``, ``host``, ``disk``)."""
+        return {home: self.homes.count(home) for home in HOMES}
+
+    @property
+    def device_home_bytes(self) -> int:
+        """Device memory the ``gpu`` home's buckets hold between steps (their stored bytes)."""
+        return sum(b.file_size for b in self.buckets if self.homes[b.index] == "gpu")
 
     @property
     def state_bytes_total(self) -> int:
@@ -294,7 +314,7 @@ class StreamingStore:
     def _rollback_blocker(self) -> str | None:
         """Why a failed step cannot be rolled back, or None when it can."""
         if not self._backing.keeps_previous_state:
-            return "the host tier writes in place"
+            return "buckets at home in host or device memory are written in place"
         if self.config.main_storage == "remainder":
             return "remainder mains need the params the step overwrote"
         return None
@@ -387,7 +407,7 @@ class StreamingStore:
         hung = self._pipeline is not None and self._pipeline.hung
         if self._engine is not None:
             self._engine.close(wait=not hung)
-        if isinstance(self._backing, HostBacking):
+        if self._backing is not None:
             self._backing.release()
         self._backing = None
         if self.scratch is not None:
@@ -478,7 +498,7 @@ def _log_setup(store: StreamingStore) -> None:
         "host staging %g MiB (%s)",
         store.location,
         config.engine,
-        ", direct I/O" if getattr(store._backing, "direct", False) else "",
+        ", direct I/O" if getattr(store._backing.disk, "direct", False) else "",
         len(store.buckets),
         store.file_bytes_total / 1e9,
         store.state_bytes_total / 1e9,
@@ -592,21 +612,28 @@ def _layout(entries: Sequence[Entry], streamed: Sequence[int], config: StreamCon
     ]
 
 
-def _open_backing_and_engine(config: StreamConfig, buckets, scratch: ScratchDir | None, device: torch.device):
-    """The backing (bucket files in the scratch, or pinned host memory) and the engine."""
+def _open_backing_and_engine(
+    config: StreamConfig, buckets, homes: list[str], scratch: ScratchDir | None, device: torch.device
+):
+    """The backing (each bucket in its home: files in the scratch, pinned host memory,
+    device memory) and the engine."""
     pin = torch.cuda.is_available()
-    if scratch is not None:
-        backing = FileBacking(scratch.path, buckets, direct=config.pipelined and config.direct_io)
-    else:
-        backing = HostBacking(buckets, pin=pin)
+
+    def build(home: str, mine: list[BucketLayout]):
+        if home == "disk":
+            return FileBacking(scratch.path, mine, direct=config.pipelined and config.direct_io)
+        if home == "host":
+            return HostBacking(mine, pin=pin)
+        return DeviceBacking(mine, device)
+
+    backing = PlacedBacking(buckets, homes, build)
     try:
         if config.pipelined:
             engine = PipelinedEngine(config.transfer_threads, config.staging_bytes, pin, device, config.io_timeout_s)
         else:
             engine = SyncEngine(config.staging_bytes, pin)
     except BaseException:
-        if isinstance(backing, HostBacking):
-            backing.release()
+        backing.release()
         raise
     return backing, engine
 

@@ -303,10 +303,11 @@ def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
 @pytest.mark.parametrize(
     "config, why",
     [
-        ({"tier": "host"}, "the host tier writes in place"),
+        ({"tier": "host"}, "buckets at home in host or device memory are written in place"),
+        ({"gpu_budget_bytes": 1 << 20}, "buckets at home in host or device memory are written in place"),
         ({"main_storage": "remainder"}, "remainder mains need the params the step overwrote"),
     ],
-    ids=["host-tier", "remainder-mains"],
+    ids=["host-tier", "gpu-home", "remainder-mains"],
 )
 def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, monkeypatch, fault_report, config, why):
     from miles_plugins.optimizers import pipeline as pipeline_module

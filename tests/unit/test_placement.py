@@ -1,0 +1,161 @@
+"""Placement: each bucket's home (gpu, host, disk) by budget, mixed in one store.
+
+Judged against the independent resident reference (``reference.reference_run``);
+on this CPU-only machine the ``gpu`` home is the compute device's memory, the CPU's.
+"""
+
+import os
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
+from miles_plugins.optimizers.layout import BucketLayout
+from miles_plugins.optimizers.placement import assign_homes
+from tests.unit.reference import Net, assert_same_training, groups, reference_run
+from tests.unit.test_bit_identity import STEPS, streamed_run
+from tests.unit.test_checkpoint import SAVE_AT, resume, save_run, state_of, train
+
+
+def _bucket(index: int, size: int) -> BucketLayout:
+    return BucketLayout(index=index, entry_indices=(), numels=(), segments={}, file_name="", file_size=size)
+
+
+@pytest.mark.parametrize(
+    "sizes, gpu, host, tier, homes",
+    [
+        ([10, 10, 10, 10], 0, 0, "disk", ["disk"] * 4),
+        ([10, 10, 10, 10], 10, 25, "disk", ["disk", "host", "host", "gpu"]),
+        # A bucket too large for what is left of a budget goes on; a smaller one before it may still fit.
+        ([5, 30, 10], 15, 0, "host", ["gpu", "host", "gpu"]),
+        ([10, 10], 100, 100, "disk", ["gpu", "gpu"]),
+        ([10, 10, 10], 0, 10, "host", ["host", "host", "host"]),
+    ],
+)
+def test_budgets_fill_gpu_then_host_from_the_last_bucket_backwards(sizes, gpu, host, tier, homes):
+    buckets = [_bucket(i, s) for i, s in enumerate(sizes)]
+    config = StreamConfig(directory="/unused", tier=tier, gpu_budget_bytes=gpu, host_budget_bytes=host)
+    assert assign_homes(buckets, config) == homes
+
+
+CAP = 500  # elements per bucket: six buckets of the test model
+
+
+def _bucket_sizes(**config) -> list[int]:
+    """The stored size of each bucket of the test model under ``config`` (held in host memory to see them)."""
+    model = Net(torch.bfloat16)
+    streamed = StreamedOptimizer(
+        torch.optim.AdamW(groups(model)), StreamConfig(tier="host", bucket_cap_elements=CAP, **config)
+    )
+    sizes = [b.file_size for b in streamed.store.buckets]
+    streamed.close()
+    return sizes
+
+
+def _all_three_homes(**config) -> dict:
+    """Budgets that put the last bucket on the GPU, the two before it in host memory, the rest on disk."""
+    sizes = _bucket_sizes(**config)
+    assert len(sizes) >= 4, "the test needs a bucket for every home and more"
+    return {"bucket_cap_elements": CAP, "gpu_budget_bytes": sizes[-1], "host_budget_bytes": sizes[-2] + sizes[-3]}
+
+
+MODES = [("pipelined", "fp32"), ("pipelined", "remainder"), ("sync", "fp32"), ("sync", "remainder")]
+
+
+@pytest.mark.parametrize("engine, main_storage", MODES, ids=["-".join(m) for m in MODES])
+def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_storage):
+    budgets = _all_three_homes(main_storage=main_storage)
+    ref = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+    params, state, streamed = streamed_run(
+        torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, engine=engine, main_storage=main_storage, **budgets
+    )
+    store = streamed.store
+    assert store.placement == {"gpu": 1, "host": 2, "disk": len(store.buckets) - 3}
+    assert store.device_home_bytes == store.buckets[-1].file_size
+    assert_same_training(ref, (params, state))
+    # Only the disk buckets have files, two slots each.
+    disk = [b for b in store.buckets if store.homes[b.index] == "disk"]
+    slots = {os.path.basename(store._backing.disk.path(b, slot)) for b in disk for slot in (0, 1)}
+    assert set(os.listdir(store.scratch.path)) == slots
+    streamed.close()
+
+
+def test_no_scratch_directory_when_the_budgets_take_every_bucket(tmp_path):
+    sizes = _bucket_sizes()
+    params, state, streamed = streamed_run(
+        torch.optim.AdamW,
+        torch.bfloat16,
+        3,
+        tmp_path,
+        bucket_cap_elements=CAP,
+        gpu_budget_bytes=sum(sizes[:2]),
+        host_budget_bytes=sum(sizes),
+    )
+    assert streamed.store.scratch is None and streamed.store.placement["disk"] == 0
+    assert list(tmp_path.iterdir()) == []
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), (params, state))
+    streamed.close()
+
+
+MIXED = "mixed"
+ONE_HOME = {"disk": {"bucket_cap_elements": CAP}, "host": {"bucket_cap_elements": CAP, "tier": "host"}}
+PLACEMENTS = [(MIXED, "disk"), (MIXED, "host"), ("disk", MIXED), ("host", MIXED)]
+
+
+@pytest.mark.parametrize(
+    "saving, loading", PLACEMENTS, ids=["mixed-to-disk", "mixed-to-host", "disk-to-mixed", "host-to-mixed"]
+)
+def test_a_checkpoint_resumes_byte_identical_under_another_placement(tmp_path, saving, loading):
+    mixed = _all_three_homes()
+    ckpt = tmp_path / "ckpt"
+    save_run(tmp_path, ckpt, **(mixed if saving == MIXED else ONE_HOME[saving]))[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, **(mixed if loading == MIXED else ONE_HOME[loading]))
+    assert streamed.load_from(str(ckpt))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("gpu_budget_bytes", -1), ("host_budget_bytes", 1.5), ("gpu_budget_bytes", True), ("host_budget_bytes", "2G")],
+)
+def test_bad_budgets_are_refused(tmp_path, field, value):
+    with pytest.raises(StreamConfigError, match=f"{field.replace('_', ' ')} must be a whole number of bytes"):
+        StreamConfig(directory=str(tmp_path), **{field: value})
+
+
+@pytest.mark.parametrize("moment_dtype", ["bf16", "8bit"])
+def test_placement_does_not_change_compact_moments(tmp_path, moment_dtype):
+    """A bucket at home in memory rounds its moments to the stored format each step, as on disk."""
+    mixed = _all_three_homes(moment_dtype=moment_dtype)
+    on_disk = streamed_run(
+        torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path / "disk", moment_dtype=moment_dtype, bucket_cap_elements=CAP
+    )
+    placed = streamed_run(
+        torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path / "mixed", moment_dtype=moment_dtype, **mixed
+    )
+    assert placed[2].store.placement["gpu"] == 1
+    assert_same_training(on_disk[:2], placed[:2])
+    on_disk[2].close()
+    placed[2].close()
+
+
+def test_the_device_home_saves_and_loads_through_a_staging_buffer_smaller_than_a_bucket(tmp_path):
+    sizes = 10_000
+    bucket = _bucket(0, sizes)
+    source = DeviceBacking([bucket], torch.device("cpu"))
+    source.buffers[0].copy_(torch.randint(0, 256, (sizes,), dtype=torch.uint8))
+    staging = HostMemory(4096, pin=False)
+    path = tmp_path / "bucket.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    saved, loaded = BlockCrc(4096 * 3), BlockCrc(4096 * 3)
+    source.export(bucket, fd, str(path), staging, saved)
+    target = DeviceBacking([bucket], torch.device("cpu"))
+    target.restore(bucket, fd, str(path), staging, loaded)
+    os.close(fd)
+    assert torch.equal(target.buffers[0], source.buffers[0])
+    assert path.read_bytes() == source.buffers[0].numpy().tobytes()
+    assert saved.blocks == loaded.blocks and len(saved.blocks) == 1
