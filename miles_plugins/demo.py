@@ -1,7 +1,8 @@
 """The demo: train a small model twice, resident and streamed, and compare bit for bit.
 
     python -m miles_plugins.demo [--steps N] [--moment-dtype fp32] [--main-storage fp32|remainder]
-                                 [--tier disk|host] [--engine pipelined|sync] [--bucket-cap N] [--dir DIR]
+                                 [--tier disk|host] [--gpu-budget SIZE] [--host-budget SIZE]
+                                 [--engine pipelined|sync] [--bucket-cap N] [--dir DIR]
 
 It builds a small bf16 MLP language model in code, feeds it synthetic token
 batches, and trains it for N steps twice from the same seed:
@@ -32,6 +33,7 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.config import ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
+from miles_plugins.optimizers.fs import parse_size
 
 VOCAB = 512
 WIDTH = 128
@@ -160,6 +162,7 @@ def train_streamed(device: torch.device, data: list, config: StreamConfig) -> di
             "losses": losses,
             "seconds": seconds,
             "buckets": len(store.buckets),
+            "placement": store.placement,
             "state_bytes_total": store.state_bytes_total,
             "bucket_bytes_max": store.bucket_bytes_max,
             "accounted_max_state_bytes": store.accounted_max_state_bytes,
@@ -210,6 +213,13 @@ def missing_dirs(path: str) -> list[str]:
     return missing
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
@@ -220,6 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--main-storage", default="fp32", choices=list(MAIN_STORAGES), help="how mains are stored")
     parser.add_argument("--tier", default="disk", choices=list(TIERS), help="where the state lives between steps")
+    parser.add_argument(
+        "--gpu-budget",
+        type=_size,
+        default=0,
+        metavar="SIZE",
+        help="device memory for buckets kept there between steps, e.g. 3M (default 0)",
+    )
+    parser.add_argument(
+        "--host-budget",
+        type=_size,
+        default=0,
+        metavar="SIZE",
+        help="pinned host memory for buckets the GPU budget leaves, e.g. 2G; the rest go to the tier (default 0)",
+    )
     parser.add_argument("--engine", default="pipelined", choices=list(ENGINES), help="how buckets move")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch directory is created")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -256,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             main_storage=args.main_storage,
             tier=args.tier,
             engine=args.engine,
+            gpu_budget_bytes=args.gpu_budget,
+            host_budget_bytes=args.host_budget,
         )
         data = batches(args.steps, device)
         print(
@@ -264,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print("resident run (fp32 mains and AdamW state in memory)...", flush=True)
         resident = train_resident(device, data)
         where = scratch if args.tier == "disk" else "pinned host memory"
+        if args.gpu_budget or args.host_budget:
+            where += f", up to {args.gpu_budget:,} bytes on the {device.type} and {args.host_budget:,} in host memory"
         print(f"streamed run ({args.engine} engine, state in {where})...", flush=True)
         streamed = train_streamed(device, data, config)
     except (StreamConfigError, StreamIOError) as exc:
@@ -285,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "moment_dtype": args.moment_dtype,
         "main_storage": args.main_storage,
         "tier": args.tier,
+        "placement": streamed["placement"],
         "engine": args.engine,
         "bit_identical": identical,
         "buckets": streamed["buckets"],

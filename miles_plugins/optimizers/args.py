@@ -14,6 +14,7 @@ check it here, the Megatron binding checks it again on the built optimizer
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,22 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--stream-optimizer-state-gpu-budget-gb",
+        dict(
+            type=lambda text: _gib(text, "--stream-optimizer-state-gpu-budget-gb"),
+            default=0.0,
+            help="GiB of GPU memory for buckets kept on the GPU between steps (no transfer at all); filled first",
+        ),
+    ),
+    (
+        "--stream-optimizer-state-host-budget-gb",
+        dict(
+            type=lambda text: _gib(text, "--stream-optimizer-state-host-budget-gb"),
+            default=0.0,
+            help="GiB of pinned host memory per rank for buckets the GPU budget leaves; the rest go to the tier",
+        ),
+    ),
+    (
         "--stream-optimizer-state-engine",
         dict(
             choices=list(ENGINES),
@@ -155,6 +172,17 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
 )
+
+
+def _gib(text: str, flag: str) -> float:
+    """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{flag} takes a number of GiB, 0 or more (e.g. 2.5), got {text!r}")
+    return value
 
 
 def default_directory() -> str:
@@ -379,6 +407,8 @@ _SETTING_FLAGS = {
     "buckets in flight": "--stream-optimizer-state-buckets-in-flight",
     "bucket cap": "--stream-optimizer-state-bucket-cap",
     "io timeout": "--stream-optimizer-state-io-timeout",
+    "gpu budget bytes": "--stream-optimizer-state-gpu-budget-gb",
+    "host budget bytes": "--stream-optimizer-state-host-budget-gb",
     "moment dtype": MOMENT_FLAG,
     "unknown moment dtype": MOMENT_FLAG,
 }
@@ -402,4 +432,13 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
         direct_io=_get(args, "stream_optimizer_state_direct_io", True),
         main_storage=_get(args, "stream_optimizer_state_main_storage", "fp32"),
         io_timeout_s=_get(args, "stream_optimizer_state_io_timeout", DEFAULT_IO_TIMEOUT_S),
+        gpu_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_gpu_budget_gb", 0.0)),
+        host_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_host_budget_gb", 0.0)),
     )
+
+
+def _bytes_of_gib(value):
+    """Whole bytes of a GiB figure; anything else is passed on for StreamConfig to refuse."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return int(value * 2**30)
+    return value

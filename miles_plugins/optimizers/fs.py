@@ -21,6 +21,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -133,6 +134,19 @@ def nearest_existing(path: str) -> str:
 
 def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``3M``, ``2G``, ``1.5T`` or ``4096`` (binary units:
+    K is 2**10, ... T is 2**40; an optional trailing ``B`` or ``iB`` is accepted).
+    Raises ValueError saying what a size looks like."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if match is None:
+        raise ValueError(f"{text!r} is not a size: give a number of bytes with an optional K, M, G or T, e.g. 3M, 2G")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
 def require_free_space(path: str, needed: int, what: str, note: str = "") -> None:

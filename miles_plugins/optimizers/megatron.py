@@ -566,11 +566,22 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     if members:
         check_upstream()
     share = _staging_share(config, len(members))
+    # The GPU and host budgets are the rank's too: each store takes what it places
+    # from what the stores before it (dense first) left.
+    budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     bindings: list[MegatronBinding] = []
     try:
         for index, member in members:
-            member_config = dataclasses.replace(config, name=f"{config.name}.opt{index}", staging_budget_mb=share)
+            member_config = dataclasses.replace(
+                config,
+                name=f"{config.name}.opt{index}",
+                staging_budget_mb=share,
+                gpu_budget_bytes=budgets["gpu"],
+                host_budget_bytes=budgets["host"],
+            )
             bindings.append(MegatronBinding(member, member_config))
+            held = bindings[-1].store.home_bytes
+            budgets = {home: left - held[home] for home, left in budgets.items()}
     except BaseException:
         for binding in bindings:
             binding.store.close()

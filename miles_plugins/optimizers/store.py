@@ -200,9 +200,13 @@ class StreamingStore:
         return {home: self.homes.count(home) for home in HOMES}
 
     @property
-    def device_home_bytes(self) -> int:
-        """Device memory the ``gpu`` home's buckets hold between steps (their stored bytes)."""
-        return sum(b.file_size for b in self.buckets if self.homes[b.index] == "gpu")
+    def home_bytes(self) -> dict[str, int]:
+        """Stored bytes per home: what the ``gpu`` home holds in device memory between
+        steps, the ``host`` home in pinned host memory (the disk home: one slot)."""
+        held = dict.fromkeys(HOMES, 0)
+        for bucket in self.buckets:
+            held[self.homes[bucket.index]] += bucket.file_size
+        return held
 
     @property
     def state_bytes_total(self) -> int:

@@ -12,8 +12,8 @@ process it trains the same model several times from the same seeds:
   by ``add_arguments`` -> ``setup_optimizer_state_streaming(args, optimizer)``);
 - streamed with bf16 and with 8-bit moments;
 - the other ways to store and move the state (``VARIANTS``: remainder mains,
-  the host-RAM tier, the sync baseline engine), each judged bit for bit
-  against the resident run too.
+  the host-RAM tier, the sync baseline engine, a placement over all three
+  homes), each judged bit for bit against the resident run too.
 
 The LR schedule is Megatron's ``OptimizerParamScheduler`` (warmup then cosine
 decay, so the LR changes every step) and grads are clipped. Rank 0 writes one
@@ -222,6 +222,14 @@ VARIANTS = {
         "remainder",
     ],
     "sync_engine": ["--stream-optimizer-state-engine", "sync"],
+    # A few buckets kept on the GPU, a few in host memory, the rest on disk (buckets here
+    # are a few MB: 10 and 20 MiB budgets leave some in every home).
+    "gpu_host_disk": [
+        "--stream-optimizer-state-gpu-budget-gb",
+        "0.01",
+        "--stream-optimizer-state-host-budget-gb",
+        "0.02",
+    ],
 }
 
 
@@ -360,6 +368,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
             "step_peak_bytes": max(variant["peaks"]),
             "step_added_bytes": max(variant["added"]),
             "step_device_bytes_bound": step_bound(bindings),
+            "placement": {home: sum(b.store.placement[home] for b in bindings) for home in ("gpu", "host", "disk")},
         }
         for b in bindings:
             b.store.close()

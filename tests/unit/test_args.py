@@ -175,6 +175,8 @@ def test_on_miles_parser_only_missing_flags_are_added_and_miles_definitions_stay
     assert {dest: after[dest] for dest in before} == before, "a miles definition changed"
     assert set(after) - set(before) == {
         "stream_optimizer_state_tier",
+        "stream_optimizer_state_gpu_budget_gb",
+        "stream_optimizer_state_host_budget_gb",
         "stream_optimizer_state_engine",
         "stream_optimizer_state_main_storage",
         "stream_optimizer_state_buckets_in_flight",
@@ -228,6 +230,28 @@ def test_a_refused_setting_names_the_flag_that_set_it(flags, message):
     args = parser.parse_args(["--stream-optimizer-state-to-disk", *flags])
     args.use_distributed_optimizer, args.optimizer = True, "adam"
     with pytest.raises(StreamConfigError, match=re.escape(message)):
+        validate_args(args)
+
+
+def test_budget_flags_take_gib_and_set_the_budgets_in_bytes(capsys):
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--stream-optimizer-state-gpu-budget-gb", "1.5", "--stream-optimizer-state-host-budget-gb", "64"]
+    )
+    config = config_from_args(args, name="rank0")
+    assert (config.gpu_budget_bytes, config.host_budget_bytes) == (3 << 29, 64 << 30)
+    assert config_from_args(parser.parse_args([]), name="rank0").gpu_budget_bytes == 0
+    for bad in ("-1", "nan", "inf", "2G", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--stream-optimizer-state-host-budget-gb", bad])
+        assert f"--stream-optimizer-state-host-budget-gb takes a number of GiB, 0 or more (e.g. 2.5), got {bad!r}" in (
+            capsys.readouterr().err
+        )
+
+
+def test_a_budget_set_without_the_parser_is_refused_naming_its_flag():
+    args = _ns(stream_optimizer_state_gpu_budget_gb=-2.0)
+    with pytest.raises(StreamConfigError, match="--stream-optimizer-state-gpu-budget-gb: gpu budget bytes must be"):
         validate_args(args)
 
 

@@ -40,6 +40,23 @@ def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
     assert os.listdir(tmp_path) == [], "the demo must remove its scratch directory"
 
 
+def test_demo_places_buckets_in_all_three_homes_by_its_budgets(tmp_path):
+    result = _demo("--steps", "3", "--gpu-budget", "200K", "--host-budget", "1M", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bit_identical"] is True
+    placement = report["placement"]
+    assert sorted(placement) == ["disk", "gpu", "host"] and min(placement.values()) >= 1, placement
+    assert sum(placement.values()) == report["buckets"]
+
+
+def test_demo_refuses_a_budget_that_is_not_a_size(tmp_path):
+    result = _demo("--host-budget", "2 gigs", "--dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "argument --host-budget: '2 gigs' is not a size" in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("moment_dtype", ["bf16", "8bit"])
 def test_demo_with_compact_moments_is_not_bit_identical_but_succeeds(tmp_path, moment_dtype):
     result = _demo("--steps", "3", "--moment-dtype", moment_dtype, "--dir", str(tmp_path))

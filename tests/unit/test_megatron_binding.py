@@ -91,12 +91,20 @@ def grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(torch.Size(s).numel(), generator=g) for s in SHAPES]
 
 
-def bind(tmp_path, seed: int = 0, name: str = "rank0"):
+def bind(tmp_path, seed: int = 0, name: str = "rank0", **config):
     opt, params = dp1_distributed_optimizer(seed)
     binding = MegatronBinding(
-        opt, StreamConfig(directory=str(tmp_path / "scratch"), name=name, bucket_cap_elements=3000)
+        opt, StreamConfig(directory=str(tmp_path / "scratch"), name=name, bucket_cap_elements=3000, **config)
     )
     return opt, params, binding
+
+
+def bucket_sizes(tmp_path) -> list[int]:
+    """The stored size of each of the test optimizer's buckets."""
+    _, _, binding = bind(tmp_path / "sizes", tier="host")
+    sizes = [b.file_size for b in binding.store.buckets]
+    binding.store.close()
+    return sizes
 
 
 def train(opt, binding, steps):
@@ -106,9 +114,16 @@ def train(opt, binding, steps):
         opt.optimizer.step()  # the master's step is the streamed step
 
 
-def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path):
-    opt, params, binding = bind(tmp_path)
+@pytest.mark.parametrize("placement", ["disk", "gpu-host-disk"])
+def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path, placement):
+    budgets = {}
+    if placement != "disk":
+        sizes = bucket_sizes(tmp_path)
+        budgets = {"gpu_budget_bytes": sizes[-1], "host_budget_bytes": sizes[-2]}
+    opt, params, binding = bind(tmp_path, **budgets)
     assert getattr(opt, STORE_ATTR) is binding and len(binding.store.buckets) >= 3
+    if budgets:
+        assert binding.store.placement == {"gpu": 1, "host": 1, "disk": len(binding.store.buckets) - 2}
     mains = [p.detach().view(-1).float().clone() for p in params]
     reference = torch.optim.AdamW([{"params": mains}], lr=LR, weight_decay=0.1)
     train(opt, binding, range(STEPS))
@@ -310,3 +325,24 @@ def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path
         StreamConfigError, match="6 MiB is shared by this rank's 2 distributed optimizers .* 3 MiB each"
     ):
         attach(chain, small)
+
+
+def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkeypatch):
+    """The GPU and host budgets are the rank's: the first store takes what it places,
+    the next what is left."""
+    from miles_plugins.optimizers import megatron
+
+    monkeypatch.setattr(megatron, "check_upstream", lambda: None)  # needs megatron.training (see above)
+    sizes = bucket_sizes(tmp_path)  # both members have the same layout
+    budget = sum(sizes) + sizes[-1]
+    chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
+    config = StreamConfig(
+        directory=str(tmp_path / "scratch"), name="rank0", bucket_cap_elements=3000, gpu_budget_bytes=budget
+    )
+    bindings = megatron.attach(chain, config)
+    try:
+        assert [b.store.placement["gpu"] for b in bindings] == [len(sizes), 1]
+        assert sum(b.store.home_bytes["gpu"] for b in bindings) == budget
+    finally:
+        for binding in bindings:
+            binding.store.close()

@@ -73,7 +73,7 @@ def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_
     )
     store = streamed.store
     assert store.placement == {"gpu": 1, "host": 2, "disk": len(store.buckets) - 3}
-    assert store.device_home_bytes == store.buckets[-1].file_size
+    assert store.home_bytes["gpu"] == store.buckets[-1].file_size
     assert_same_training(ref, (params, state))
     # Only the disk buckets have files, two slots each.
     disk = [b for b in store.buckets if store.homes[b.index] == "disk"]
