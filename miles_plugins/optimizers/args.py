@@ -159,7 +159,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=None,
             help="node-local directory for offloaded and streamed state; the streamed state goes in its "
             f"{STATE_SUBDIR}/ subdirectory (default: $SCRATCH/miles_train_offload_<uid>, /scratch when "
-            "SCRATCH is unset)",
+            "SCRATCH is unset); several, comma-separated (one per drive), spread the streamed state over them",
         ),
     ),
     (
@@ -346,6 +346,11 @@ REFUSALS: tuple[Refusal, ...] = (
         on_args=lambda a: _get(a, "stream_optimizer_state_main_storage") == "remainder" and not _get(a, "bf16", False),
     ),
     Refusal(
+        "miles' training-actor disk offload takes it as one path; give one directory, or leave --offload-train off",
+        flag="--offload-train-disk-dir names several directories with --offload-train on",
+        on_args=lambda a: _get(a, "offload_train", False) and "," in (_get(a, "offload_train_disk_dir") or ""),
+    ),
+    Refusal(
         "with streaming, training offload must target disk (--offload-train-target disk)",
         flag="--offload-train targets {offload_train_target!r}",
         on_args=lambda a: _get(a, "offload_train", False) and _get(a, "offload_train_target") != "disk",
@@ -407,6 +412,7 @@ _SETTING_FLAGS = {
     "buckets in flight": "--stream-optimizer-state-buckets-in-flight",
     "bucket cap": "--stream-optimizer-state-bucket-cap",
     "io timeout": "--stream-optimizer-state-io-timeout",
+    "directory": "--offload-train-disk-dir",
     "gpu budget bytes": "--stream-optimizer-state-gpu-budget-gb",
     "host budget bytes": "--stream-optimizer-state-host-budget-gb",
     "moment dtype": MOMENT_FLAG,
@@ -419,8 +425,10 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
 
     ``name`` is this process's scratch subdirectory (e.g. ``rank3``).
     """
+    disk_dirs = (_get(args, "offload_train_disk_dir") or default_directory()).split(",")
     return StreamConfig(
-        directory=os.path.join(_get(args, "offload_train_disk_dir") or default_directory(), STATE_SUBDIR),
+        # Several directories (one per drive): the state goes in each one's subdirectory.
+        directory=",".join(os.path.join(d.strip(), STATE_SUBDIR) if d.strip() else "" for d in disk_dirs),
         moment_dtype=_get(args, "stream_optimizer_state_moment_dtype", "fp32"),
         bucket_cap_elements=_get(args, "stream_optimizer_state_bucket_cap", DEFAULT_BUCKET_CAP_ELEMENTS),
         staging_budget_mb=_get(args, "offload_train_disk_chunk_mb", DEFAULT_STAGING_BUDGET_MB),

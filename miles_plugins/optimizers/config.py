@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,11 @@ class StreamConfig:
 
     Args:
         directory: where the per-process scratch directory is created (disk
-            tier). Must be creatable and writable; node-local NVMe is the
-            intended place.
+            home). Must be creatable and writable; node-local NVMe is the
+            intended place. Several directories (a sequence, or one string with
+            commas: ``"/nvme0/s,/nvme1/s"``) spread the disk buckets over them
+            by free space, each with its own I/O threads and its share of the
+            staging budget (nodes with several drives and no RAID).
         moment_dtype: storage dtype of the Adam moments, one of
             ``MOMENT_DTYPES``: ``fp32`` is bit-exact; ``bf16`` halves their
             bytes; ``8bit`` quarters them (blockwise scaled, ``quant8.py``).
@@ -138,7 +142,7 @@ class StreamConfig:
             across restarts of the same rank so stale scratch gets purged.
     """
 
-    directory: str = ""
+    directory: str | tuple[str, ...] | list[str] = ""
     moment_dtype: str = "fp32"
     bucket_cap_elements: int = DEFAULT_BUCKET_CAP_ELEMENTS
     staging_budget_mb: int = DEFAULT_STAGING_BUDGET_MB
@@ -155,11 +159,15 @@ class StreamConfig:
     host_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.tier == "disk" and (not isinstance(self.directory, str) or not self.directory):
+        directories = self.directories
+        if self.tier == "disk" and (not directories or not all(directories)):
             raise StreamConfigError(
-                f"directory must be a non-empty path, got {self.directory!r}; "
+                f"directory must be a non-empty path (or several, comma-separated), got {self.directory!r}; "
                 "point it at node-local NVMe, e.g. /scratch/optimizer_state"
             )
+        normalized = [os.path.normpath(os.path.abspath(d)) for d in directories if d]
+        if len(set(normalized)) != len(normalized):
+            raise StreamConfigError(f"directory names the same directory twice: {self.directory!r}")
         if self.moment_dtype in REMOVED_MOMENT_DTYPES:
             raise StreamConfigError(
                 f"moment dtype {self.moment_dtype!r} is no longer offered: "
@@ -202,13 +210,24 @@ class StreamConfig:
             or self.io_timeout_s <= 0
         ):
             raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")
-        if self.pipelined and self.staging_budget_mb < 2 * MIN_STAGING_CHUNK_MB:
+        if self.pipelined and self.staging_budget_mb < 2 * MIN_STAGING_CHUNK_MB * self.io_queues:
+            per = f" for each of {self.io_queues} directories" if self.io_queues > 1 else ""
             raise StreamConfigError(
                 f"staging budget {self.staging_budget_mb} MiB is too small: the pipelined engine needs a chunk "
-                f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction ({2 * MIN_STAGING_CHUNK_MB} MiB in all)"
+                f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction{per} "
+                f"({2 * MIN_STAGING_CHUNK_MB * self.io_queues} MiB in all)"
             )
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
+
+    @property
+    def directories(self) -> tuple[str, ...]:
+        """The state directories ``directory`` names (empty parts kept, for the check above)."""
+        if isinstance(self.directory, str):
+            return tuple(part.strip() for part in self.directory.split(",")) if self.directory else ()
+        if isinstance(self.directory, (tuple, list)) and all(isinstance(d, str) for d in self.directory):
+            return tuple(self.directory)
+        return ("",)  # not a path: refused as empty
 
     @property
     def moment_torch_dtype(self) -> torch.dtype:
@@ -222,14 +241,14 @@ class StreamConfig:
     def transfer_threads(self) -> int:
         """I/O threads per direction the staging budget funds (pipelined): ``io_threads``,
         or fewer when the budget cannot give each a chunk of ``MIN_STAGING_CHUNK_MB``."""
-        return max(1, min(self.io_threads, self.staging_budget_mb // (2 * MIN_STAGING_CHUNK_MB)))
+        return max(1, min(self.io_threads, self.staging_budget_mb // (2 * MIN_STAGING_CHUNK_MB * self.io_queues)))
 
     @property
     def staging_bytes(self) -> int:
         """Bytes of one staging chunk (one transfer request), a multiple of the
         direct-I/O alignment: the budget split among the chunks."""
         budget = self.staging_budget_mb * 1024 * 1024
-        chunk = budget // (2 * self.transfer_threads) if self.pipelined else budget
+        chunk = budget // (2 * self.transfer_threads * self.io_queues) if self.pipelined else budget
         return chunk // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
 
     @property
@@ -245,4 +264,9 @@ class StreamConfig:
     def staging_bytes_total(self) -> int:
         """Host staging memory: one chunk per I/O thread and direction, or the
         baseline's one chunk; at most the budget."""
-        return self.staging_bytes * (2 * self.transfer_threads if self.pipelined else 1)
+        return self.staging_bytes * (2 * self.transfer_threads * self.io_queues if self.pipelined else 1)
+
+    @property
+    def io_queues(self) -> int:
+        """Sets of I/O threads (pipelined): one per state directory of the disk home."""
+        return max(1, len(self.directories)) if self.tier == "disk" and self.pipelined else 1

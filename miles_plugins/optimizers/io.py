@@ -85,9 +85,9 @@ class FileHandle:
     chunk (at most the staging buffer) at an aligned offset; with direct I/O the
     transfer is rounded up to the alignment, which the layout reserves as padding."""
 
-    def __init__(self, read_path: str, write_path: str, direct: bool) -> None:
+    def __init__(self, read_path: str, write_path: str, direct: bool, io_queue: int = 0) -> None:
         self.read_path, self.write_path = read_path, write_path
-        self.direct = direct
+        self.direct, self.io_queue = direct, io_queue
         flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
         self.read_fd = open_file(read_path, flags)
         try:
@@ -143,8 +143,9 @@ class FileBacking:
     keeps_previous_state = True
     SLOTS = 2
 
-    def __init__(self, directory: str, buckets: Sequence[BucketLayout], direct: bool) -> None:
+    def __init__(self, directory: str, buckets: Sequence[BucketLayout], direct: bool, io_queue: int = 0) -> None:
         self.directory = directory
+        self.io_queue = io_queue  # which of the engine's sets of I/O threads serves this directory's drive
         self.committed = 0
         for bucket in buckets:
             for slot in range(self.SLOTS):
@@ -173,7 +174,7 @@ class FileBacking:
         """Reads come from the committed slot; writes go to the other slot, or to
         the committed one ``in_place`` (rewriting mains outside a step)."""
         write_slot = self.committed if in_place else 1 - self.committed
-        return FileHandle(self.path(bucket), self.path(bucket, write_slot), self.direct)
+        return FileHandle(self.path(bucket), self.path(bucket, write_slot), self.direct, self.io_queue)
 
     def commit(self) -> None:
         """The slot a step wrote becomes the state."""
@@ -220,6 +221,8 @@ def _direct_io_works(path: str) -> bool:
 class BufferHandle:
     """One bucket's buffer in memory (host or device); chunks copy straight between
     it and the tensors being streamed."""
+
+    io_queue = 0
 
     def __init__(self, buffer: torch.Tensor, name: str) -> None:
         self.buffer = buffer
@@ -456,8 +459,11 @@ class _DaemonPool:
 
 
 class PipelinedEngine:
-    """Reader and writer threads, ``threads`` of each: every chunk is one request,
-    so up to ``threads`` reads and ``threads`` writes are in flight at once.
+    """Reader and writer threads, ``threads`` of each per queue: every chunk is one
+    request, so up to ``threads`` reads and ``threads`` writes are in flight at once
+    on each queue. A handle's ``io_queue`` (one per state directory; 0 for memory)
+    picks the threads that serve it, so each drive gets its own requests
+    in flight instead of waiting behind another drive's in one FIFO.
 
     Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
     device copy runs on that stream and is complete before the thread takes its
@@ -472,10 +478,12 @@ class PipelinedEngine:
     waited on.
     """
 
-    def __init__(self, threads: int, chunk_bytes: int, pin: bool, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, threads: int, chunk_bytes: int, pin: bool, device: torch.device, timeout_s: float, queues: int = 1
+    ) -> None:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self._stagings = [HostMemory(chunk_bytes, pin) for _ in range(2 * threads)]
+        self._stagings = [HostMemory(chunk_bytes, pin) for _ in range(2 * threads * queues)]
         self._device = device
         self._local = threading.local()
         pool = iter(self._stagings)
@@ -488,8 +496,8 @@ class PipelinedEngine:
                 torch.cuda.set_device(device)
                 self._local.stream = torch.cuda.Stream(device)
 
-        self._readers = _DaemonPool(threads, "stream-read", init_worker)
-        self._writers = _DaemonPool(threads, "stream-write", init_worker)
+        self._readers = [_DaemonPool(threads, f"stream-read{q}", init_worker) for q in range(queues)]
+        self._writers = [_DaemonPool(threads, f"stream-write{q}", init_worker) for q in range(queues)]
 
     def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         local = self._local
@@ -503,12 +511,14 @@ class PipelinedEngine:
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
-        futures = [self._readers.submit(self._run, handle.read, o, t, ready) for o, t in chunks]
+        pool = self._readers[handle.io_queue]
+        futures = [pool.submit(self._run, handle.read, o, t, ready) for o, t in chunks]
         return Ticket(futures, handle.read_path, self.timeout_s)
 
     def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
-        futures = [self._writers.submit(self._run, handle.write, o, t, ready) for o, t in chunks]
+        pool = self._writers[handle.io_queue]
+        futures = [pool.submit(self._run, handle.write, o, t, ready) for o, t in chunks]
         return Ticket(futures, handle.write_path, self.timeout_s)
 
     def idle_buffer(self) -> HostMemory:
@@ -518,8 +528,8 @@ class PipelinedEngine:
     def close(self, wait: bool = True) -> None:
         """Stop the threads; with ``wait=False`` (after a timeout) hung requests are
         abandoned, and their staging stays allocated for them."""
-        self._readers.shutdown(wait)
-        self._writers.shutdown(wait)
+        for pool in (*self._readers, *self._writers):
+            pool.shutdown(wait)
         if wait:
             for staging in self._stagings:
                 staging.release()

@@ -14,13 +14,17 @@ slots and commits at the end; the host and gpu homes write in place, so a store
 with any bucket there cannot roll a failed step back (the store then refuses to
 step again, as the host tier always has). Stored bytes are the same in every
 home: checkpoints do not depend on placement.
+
+With several state directories, :func:`spread_over_directories` gives each disk
+bucket one of them by free space; each directory has its own file backing and
+its own I/O threads in the engine (``io_queue``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
-from miles_plugins.optimizers.config import HOMES, StreamConfig
+from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.io import BlockCrc, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 
@@ -40,43 +44,62 @@ def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> list[
     return homes
 
 
+def spread_over_directories(buckets: Sequence[BucketLayout], homes: Sequence[str], free: Sequence[int]) -> list:
+    """The state directory (an index into ``free``, their free bytes) of each disk
+    bucket, None for the others: each in walk order goes where the most space is
+    left after its two slots, so directories of equal room alternate and
+    consecutive buckets stream from different drives."""
+    left = list(free)
+    where: list = [None] * len(buckets)
+    for bucket in buckets:
+        if homes[bucket.index] == "disk":
+            i = max(range(len(left)), key=lambda d: (left[d], -d))
+            left[i] -= 2 * bucket.file_size
+            where[bucket.index] = i
+    return where
+
+
 class PlacedBacking:
-    """One backing per home in use, each holding its buckets; every call for a
-    bucket goes to its home's backing. ``build(home, buckets)`` makes a home's
-    backing; if one fails, those built are released."""
+    """One backing per place in use (a key: ``"gpu"``, ``"host"``, or
+    ``("disk", i)`` for state directory ``i``), each holding its buckets; every
+    call for a bucket goes to its place's backing. ``build(key, buckets)`` makes
+    a place's backing; if one fails, those built are released."""
 
     def __init__(
         self,
         buckets: Sequence[BucketLayout],
-        homes: Sequence[str],
-        build: Callable[[str, list[BucketLayout]], object],
+        keys: Sequence[Hashable],
+        build: Callable[[Hashable, list[BucketLayout]], object],
     ) -> None:
-        self.homes = list(homes)
-        self.by_home: dict[str, object] = {}
+        self.keys = list(keys)
+        self.by_key: dict[Hashable, object] = {}
         try:
-            for home in HOMES:
-                mine = [b for b in buckets if self.homes[b.index] == home]
-                if mine:
-                    self.by_home[home] = build(home, mine)
+            for key in dict.fromkeys(self.keys):  # in order of first use
+                self.by_key[key] = build(key, [b for b in buckets if self.keys[b.index] == key])
         except BaseException:
             self.release()
             raise
         # A failed step can be rolled back only where every bucket keeps its previous state.
-        self.keeps_previous_state = all(b.keeps_previous_state for b in self.by_home.values())
+        self.keeps_previous_state = all(b.keeps_previous_state for b in self.by_key.values())
 
     def _of(self, bucket: BucketLayout):
-        return self.by_home[self.homes[bucket.index]]
+        return self.by_key[self.keys[bucket.index]]
+
+    def file_backing(self, bucket: BucketLayout):
+        """The files of a disk bucket (``FileBacking``)."""
+        return self._of(bucket)
 
     @property
-    def disk(self):
-        """The disk home's backing (its files), or None when no bucket is on disk."""
-        return self.by_home.get("disk")
+    def direct(self) -> bool:
+        """Whether the disk buckets use direct I/O (False with none on disk)."""
+        files = [b for key, b in self.by_key.items() if isinstance(key, tuple)]
+        return bool(files) and all(b.direct for b in files)
 
     def open(self, bucket: BucketLayout, in_place: bool = False):
         return self._of(bucket).open(bucket, in_place=in_place)
 
     def commit(self) -> None:
-        for backing in self.by_home.values():
+        for backing in self.by_key.values():
             backing.commit()
 
     def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
@@ -86,5 +109,5 @@ class PlacedBacking:
         self._of(bucket).restore(bucket, src_fd, src_path, buffer, crc)
 
     def release(self) -> None:
-        for backing in self.by_home.values():
+        for backing in self.by_key.values():
             backing.release()

@@ -19,6 +19,8 @@ checkpoints (``persistence.py``), files and directories (``fs.py``,
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -31,6 +33,7 @@ from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, HOMES, 
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
+from miles_plugins.optimizers.fs import nearest_existing
 from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.layout import (
     MAIN_DTYPE,
@@ -41,7 +44,7 @@ from miles_plugins.optimizers.layout import (
 )
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import PlacedBacking, assign_homes
+from miles_plugins.optimizers.placement import PlacedBacking, assign_homes, spread_over_directories
 from miles_plugins.optimizers.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)
@@ -119,7 +122,8 @@ class StreamingStore:
         # Set when a step or a load failed in a way that left no consistent state.
         self._damaged: str | None = None
         self._closed = False
-        self.scratch = self._engine = self._backing = self._pipeline = None
+        self.scratches: list[ScratchDir] = []
+        self._engine = self._backing = self._pipeline = None
         self.last_step = StepStats()
         self.total = StepStats()
         self.steps_taken = 0
@@ -136,15 +140,22 @@ class StreamingStore:
         )
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
-        # Each bucket's home (placement.py). Buckets on disk: free space and the
-        # directory are checked before anything is written.
+        # Each bucket's home, and a disk bucket's directory (placement.py). Each directory
+        # used gets a scratch, which checks its free space before anything is written.
         self.homes = assign_homes(self.buckets, config)
-        on_disk = [b for b in self.buckets if self.homes[b.index] == "disk"]
-        self.scratch = ScratchDir(config.directory, config.name, FileBacking.bytes_needed(on_disk)) if on_disk else None
+        directories = config.directories
+        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories] if "disk" in self.homes else []
+        self.directory_of = spread_over_directories(self.buckets, self.homes, free)
         try:
-            self._backing, self._engine = _open_backing_and_engine(
-                config, self.buckets, self.homes, self.scratch, self._device
-            )
+            scratch_of: dict[int, ScratchDir] = {}
+            for i, directory in enumerate(directories):
+                mine = [b for b in self.buckets if self.directory_of[b.index] == i]
+                if mine:
+                    scratch_of[i] = ScratchDir(directory, config.name, FileBacking.bytes_needed(mine))
+                    self.scratches.append(scratch_of[i])
+            _warn_about_shared_filesystems([s.directory for s in self.scratches])
+            keys = [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
+            self._backing, self._engine = _open_backing_and_engine(config, self.buckets, keys, scratch_of, self._device)
             codec = Codec(self.buckets)
             self._pipeline = Pipeline(
                 self.entries,
@@ -183,16 +194,16 @@ class StreamingStore:
 
     @property
     def location(self) -> str:
-        """Where the state lives: the scratch directory, host memory, device memory
+        """Where the state lives: the scratch directories, host memory, device memory
         (those in use, with their bucket counts when more than one)."""
-        counts = self.placement
-        where = {"gpu": f"{self._device.type} memory", "host": "pinned host memory"}
-        if self.scratch is not None:
-            where["disk"] = self.scratch.path
-        used = [home for home, n in counts.items() if n]
-        if len(used) <= 1:
-            return where[used[0]] if used else where.get("disk", where["host"])
-        return ", ".join(f"{where[home]} ({counts[home]} buckets)" for home in used)
+        places = {"gpu": f"{self._device.type} memory", "host": "pinned host memory"}
+        counts = {home: n for home, n in self.placement.items() if n and home != "disk"}
+        where = {places[home]: n for home, n in counts.items()}
+        for i, scratch in enumerate(self.scratches):
+            where[scratch.path] = sum(1 for d in self.directory_of if d == i)
+        if len(where) <= 1:
+            return next(iter(where), places["host"])
+        return ", ".join(f"{place} ({n} buckets)" for place, n in where.items())
 
     @property
     def placement(self) -> dict[str, int]:
@@ -414,8 +425,8 @@ class StreamingStore:
         if self._backing is not None:
             self._backing.release()
         self._backing = None
-        if self.scratch is not None:
-            self.scratch.remove()
+        for scratch in self.scratches:
+            scratch.remove()
 
     def _settle(self) -> None:
         """Before touching the stored state outside a step: forget prefetched reads
@@ -502,7 +513,7 @@ def _log_setup(store: StreamingStore) -> None:
         "host staging %g MiB (%s)",
         store.location,
         config.engine,
-        ", direct I/O" if getattr(store._backing.disk, "direct", False) else "",
+        ", direct I/O" if store._backing.direct else "",
         len(store.buckets),
         store.file_bytes_total / 1e9,
         store.state_bytes_total / 1e9,
@@ -510,7 +521,7 @@ def _log_setup(store: StreamingStore) -> None:
         config.depth,
         len(store._resident_entries),
         round(config.staging_bytes_total / 2**20, 2),
-        f"{2 * config.transfer_threads} chunks of {config.staging_bytes / 2**20:g} MiB"
+        f"{2 * config.transfer_threads * config.io_queues} chunks of {config.staging_bytes / 2**20:g} MiB"
         if config.pipelined
         else "one chunk",
     )
@@ -549,6 +560,20 @@ def _description(
         "bucket_cap_elements": config.bucket_cap_elements,
         "param_layout": param_layout,
     }
+
+
+def _warn_about_shared_filesystems(directories: list[str]) -> None:
+    """Directories on one filesystem share its drive: spreading over them gains nothing."""
+    by_device: dict[int, list[str]] = {}
+    for directory in directories:
+        by_device.setdefault(os.stat(directory).st_dev, []).append(directory)
+    for same in by_device.values():
+        if len(same) > 1:
+            logger.warning(
+                "state directories %s are on one filesystem: spreading buckets over them gains no bandwidth; "
+                "give one directory per drive",
+                ", ".join(same),
+            )
 
 
 def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout], resident_numel: int) -> None:
@@ -617,23 +642,33 @@ def _layout(entries: Sequence[Entry], streamed: Sequence[int], config: StreamCon
 
 
 def _open_backing_and_engine(
-    config: StreamConfig, buckets, homes: list[str], scratch: ScratchDir | None, device: torch.device
+    config: StreamConfig, buckets, keys: list, scratch_of: dict[int, ScratchDir], device: torch.device
 ):
-    """The backing (each bucket in its home: files in the scratch, pinned host memory,
-    device memory) and the engine."""
+    """The backing (each bucket in its place: files in a directory's scratch, pinned
+    host memory, device memory) and the engine (a set of I/O threads per directory)."""
     pin = torch.cuda.is_available()
+    queue_of = {i: q for q, i in enumerate(scratch_of)}  # the directories in use, in order
 
-    def build(home: str, mine: list[BucketLayout]):
-        if home == "disk":
-            return FileBacking(scratch.path, mine, direct=config.pipelined and config.direct_io)
-        if home == "host":
+    def build(key, mine: list[BucketLayout]):
+        if key == "host":
             return HostBacking(mine, pin=pin)
-        return DeviceBacking(mine, device)
+        if key == "gpu":
+            return DeviceBacking(mine, device)
+        directory = key[1]
+        direct = config.pipelined and config.direct_io
+        return FileBacking(scratch_of[directory].path, mine, direct, io_queue=queue_of[directory])
 
-    backing = PlacedBacking(buckets, homes, build)
+    backing = PlacedBacking(buckets, keys, build)
     try:
         if config.pipelined:
-            engine = PipelinedEngine(config.transfer_threads, config.staging_bytes, pin, device, config.io_timeout_s)
+            engine = PipelinedEngine(
+                config.transfer_threads,
+                config.staging_bytes,
+                pin,
+                device,
+                config.io_timeout_s,
+                queues=max(1, len(scratch_of)),
+            )
         else:
             engine = SyncEngine(config.staging_bytes, pin)
     except BaseException:

@@ -46,6 +46,7 @@ ACCEPTED = {
     "streaming with bf16 moments": dict(stream_optimizer_state_moment_dtype="bf16"),
     "streaming with 8bit moments": dict(stream_optimizer_state_moment_dtype="8bit"),
     "streaming with no_load_optim": dict(no_load_optim=True),
+    "streaming over two drives": dict(offload_train_disk_dir="/nvme0/s,/nvme1/s"),
     "streaming with colocate and no weights backuper": dict(colocate=True, disable_weights_backuper=True),
     # Off: nothing is checked, whatever else is set (LoRA suites pass these legitimately).
     "off: LoRA with colocate and no weights backuper": dict(
@@ -77,6 +78,11 @@ REFUSED = {
     "local non-persistent checkpoints": (dict(non_persistent_ckpt_type="local"), "--non-persistent-ckpt-type"),
     "cpu training offload": (dict(offload_train=True, offload_train_target="cpu"), "targets 'cpu'"),
     "training offload without target": (dict(offload_train=True), "targets None"),
+    "two drives with miles' training offload": (
+        dict(offload_train=True, offload_train_target="disk", offload_train_disk_dir="/nvme0/s,/nvme1/s"),
+        "--offload-train-disk-dir names several directories with --offload-train on",
+    ),
+    "a drive listed twice": (dict(offload_train_disk_dir="/nvme0/s,/nvme0/s/"), "--offload-train-disk-dir: directory"),
     "bad chunk": (dict(offload_train_disk_chunk_mb=0), "positive number of MiB"),
     "remainder mains without bf16": (
         dict(stream_optimizer_state_main_storage="remainder", bf16=False),
@@ -231,6 +237,15 @@ def test_a_refused_setting_names_the_flag_that_set_it(flags, message):
     args.use_distributed_optimizer, args.optimizer = True, "adam"
     with pytest.raises(StreamConfigError, match=re.escape(message)):
         validate_args(args)
+
+
+def test_several_disk_directories_each_get_the_state_subdirectory():
+    args = _ns(offload_train_disk_dir="/nvme0/s, /nvme1/s")
+    validate_args(args)
+    assert config_from_args(args, name="rank0").directories == (
+        f"/nvme0/s/{STATE_SUBDIR}",
+        f"/nvme1/s/{STATE_SUBDIR}",
+    )
 
 
 def test_budget_flags_take_gib_and_set_the_budgets_in_bytes(capsys):

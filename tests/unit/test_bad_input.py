@@ -124,7 +124,7 @@ def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
     model = _bf16_model()
     streamed = _wrap(tmp_path, model=model)
     (bucket,) = streamed.store.buckets
-    path = streamed.store._backing.disk.path(bucket)
+    path = streamed.store._backing.file_backing(bucket).path(bucket)
     os.truncate(path, 1000)
     model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
     with pytest.raises(StreamIOError, match=r"short read of .*bucket_00000.slot\d.bin at offset 1000") as info:
@@ -171,8 +171,8 @@ def test_bucket_files_use_direct_io_where_the_filesystem_allows_it(tmp_path):
     if filesystem_type(str(tmp_path)) not in ("ext4", "xfs"):
         pytest.skip(f"{tmp_path} is on {filesystem_type(str(tmp_path))}, not a disk filesystem")
     streamed = _wrap(tmp_path, model=_bf16_model())
-    assert streamed.store._backing.disk.direct is True
-    handle = streamed.store._backing.disk.open(streamed.store.buckets[0])
+    assert streamed.store._backing.direct is True
+    handle = streamed.store._backing.open(streamed.store.buckets[0])
     try:
         assert fcntl.fcntl(handle.read_fd, fcntl.F_GETFL) & os.O_DIRECT
         assert fcntl.fcntl(handle.write_fd, fcntl.F_GETFL) & os.O_DIRECT
@@ -197,7 +197,7 @@ def test_a_filesystem_refusing_direct_io_falls_back_to_buffered_with_a_log_line(
     with caplog.at_level(logging.WARNING):
         streamed = _wrap(tmp_path, model=model)
     assert "refuses O_DIRECT: using buffered I/O" in caplog.text
-    assert streamed.store._backing.disk.direct is False
+    assert streamed.store._backing.direct is False
     model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
     streamed.step()
     streamed.step()

@@ -22,7 +22,8 @@ def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, device="cpu"
     model = Net(dtype, fp32_extra).to(device)
     optimizer = opt_cls(groups(model))
     config.setdefault("bucket_cap_elements", 1500)
-    streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(directory), **config))
+    config.setdefault("directory", str(directory))
+    streamed = StreamedOptimizer(optimizer, StreamConfig(**config))
     scheduler = schedule(optimizer)  # after wrapping, so it wraps the streamed step
     for step in range(steps):
         loss_fn(model, step).backward()

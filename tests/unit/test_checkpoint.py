@@ -45,7 +45,8 @@ def fresh(tmp_path, name, dtype=torch.bfloat16, opt_cls=torch.optim.AdamW, **con
     model = Net(dtype)
     optimizer = opt_cls(groups(model))
     config.setdefault("bucket_cap_elements", 1500)
-    streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name, **config))
+    config.setdefault("directory", str(tmp_path / "scratch"))
+    streamed = StreamedOptimizer(optimizer, StreamConfig(name=name, **config))
     return model, optimizer, schedule(optimizer), streamed
 
 

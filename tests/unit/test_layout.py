@@ -67,7 +67,7 @@ def test_bucket_files_hold_the_state_at_the_layout_offsets(tmp_path, moment_dtyp
         store = streamed.store
         expected = {index: (main, m, v) for index, main, m, v in store.iter_state()}
         for bucket in store.buckets:
-            path = store._backing.disk.path(bucket)
+            path = store._backing.file_backing(bucket).path(bucket)
             assert os.path.getsize(path) == bucket.file_size
             raw = open(path, "rb").read()
             for k, index in enumerate(bucket.entry_indices):
@@ -92,7 +92,7 @@ def test_bf16_moments_take_two_bytes_per_element_on_disk(tmp_path):
         config = StreamConfig(directory=str(tmp_path / dtype), moment_dtype=dtype)
         with StreamedOptimizer(optimizer, config) as streamed:
             (bucket,) = streamed.store.buckets
-            sizes[dtype] = os.path.getsize(streamed.store._backing.disk.path(bucket))
+            sizes[dtype] = os.path.getsize(streamed.store._backing.file_backing(bucket).path(bucket))
     n = 1024 * 1024
     assert sizes["fp32"] == n * (4 + 4 + 4)
     assert sizes["bf16"] == n * (4 + 2 + 2)

@@ -174,7 +174,7 @@ def test_bucket_files_hold_codes_then_scales_at_the_layout_offsets(tmp_path):
         store = streamed.store
         live = {index: (m, v) for index, _, m, v in store.iter_state()}
         (bucket,) = store.buckets
-        raw = open(store._backing.disk.path(bucket), "rb").read()
+        raw = open(store._backing.file_backing(bucket).path(bucket), "rb").read()
         for k, index in enumerate(bucket.entry_indices):
             for name, want in zip(("exp_avg", "exp_avg_sq"), live[index], strict=True):
                 segment, numel = bucket.segments[name], want.numel()

@@ -5,6 +5,7 @@ on this CPU-only machine the ``gpu`` home is the compute device's memory, the CP
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StreamConfigError
 from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.placement import assign_homes
+from miles_plugins.optimizers.placement import assign_homes, spread_over_directories
 from tests.unit.reference import Net, assert_same_training, groups, reference_run
 from tests.unit.test_bit_identity import STEPS, streamed_run
 from tests.unit.test_checkpoint import SAVE_AT, resume, save_run, state_of, train
@@ -77,8 +78,8 @@ def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_
     assert_same_training(ref, (params, state))
     # Only the disk buckets have files, two slots each.
     disk = [b for b in store.buckets if store.homes[b.index] == "disk"]
-    slots = {os.path.basename(store._backing.disk.path(b, slot)) for b in disk for slot in (0, 1)}
-    assert set(os.listdir(store.scratch.path)) == slots
+    slots = {os.path.basename(store._backing.file_backing(b).path(b, slot)) for b in disk for slot in (0, 1)}
+    assert len(store.scratches) == 1 and set(os.listdir(store.scratches[0].path)) == slots
     streamed.close()
 
 
@@ -93,7 +94,7 @@ def test_no_scratch_directory_when_the_budgets_take_every_bucket(tmp_path):
         gpu_budget_bytes=sum(sizes[:2]),
         host_budget_bytes=sum(sizes),
     )
-    assert streamed.store.scratch is None and streamed.store.placement["disk"] == 0
+    assert streamed.store.scratches == [] and streamed.store.placement["disk"] == 0
     assert list(tmp_path.iterdir()) == []
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), (params, state))
     streamed.close()
@@ -159,3 +160,70 @@ def test_the_device_home_saves_and_loads_through_a_staging_buffer_smaller_than_a
     assert torch.equal(target.buffers[0], source.buffers[0])
     assert path.read_bytes() == source.buffers[0].numpy().tobytes()
     assert saved.blocks == loaded.blocks and len(saved.blocks) == 1
+
+
+# ---- several state directories ------------------------------------------------------
+
+
+def test_disk_buckets_go_where_the_most_space_is_left():
+    buckets = [_bucket(i, 10) for i in range(5)]
+    homes = ["disk", "disk", "disk", "gpu", "disk"]
+    assert spread_over_directories(buckets, homes, [100, 100]) == [0, 1, 0, None, 1]
+    assert spread_over_directories(buckets, homes, [1000, 10]) == [0, 0, 0, None, 0]
+    assert spread_over_directories(buckets, ["disk"] * 5, [45, 20]) == [0, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("engine", ["pipelined", "sync"])
+def test_buckets_spread_over_several_directories_are_byte_identical_to_resident(tmp_path, engine):
+    directories = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    params, state, streamed = streamed_run(
+        torch.optim.AdamW,
+        torch.bfloat16,
+        STEPS,
+        ",".join(map(str, directories)),
+        engine=engine,
+        bucket_cap_elements=CAP,
+    )
+    store = streamed.store
+    assert [s.directory for s in store.scratches] == [str(d) for d in directories]
+    used = [store.directory_of[b.index] for b in store.buckets]
+    assert set(used) == {0, 1}, used
+    for i, scratch in enumerate(store.scratches):
+        mine = [b for b in store.buckets if store.directory_of[b.index] == i]
+        assert len(os.listdir(scratch.path)) == 2 * len(mine)  # two slots per bucket, nothing else
+    if engine == "pipelined":
+        assert store.config.io_queues == 2 and {store._backing.open(b).io_queue for b in store.buckets} == {0, 1}
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), (params, state))
+    streamed.close()
+    assert all(os.listdir(d) == [] for d in directories), "close removes every directory's scratch"
+
+
+def test_a_checkpoint_from_two_directories_resumes_from_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    two = ",".join(str(tmp_path / d) for d in ("nvme0", "nvme1"))
+    save_run(tmp_path, ckpt, bucket_cap_elements=CAP, directory=two)[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, bucket_cap_elements=CAP)
+    assert streamed.load_from(str(ckpt))
+    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+@pytest.mark.parametrize(
+    "directory, message",
+    [
+        ("/a,,/b", "directory must be a non-empty path (or several, comma-separated)"),
+        ("/a,/b/../a", "directory names the same directory twice"),
+        (["/a", 3], "directory must be a non-empty path"),
+    ],
+)
+def test_bad_directory_lists_are_refused(directory, message):
+    with pytest.raises(StreamConfigError, match=re.escape(message)):
+        StreamConfig(directory=directory)
+
+
+def test_each_directory_needs_its_share_of_the_staging_budget():
+    with pytest.raises(StreamConfigError, match=r"per direction for each of 3 directories \(12 MiB in all\)"):
+        StreamConfig(directory="/a,/b,/c", staging_budget_mb=8)
+    config = StreamConfig(directory="/a,/b", staging_budget_mb=128)
+    assert config.staging_bytes_total <= 128 << 20 and config.staging_bytes == 8 << 20
