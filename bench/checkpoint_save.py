@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench-results/checkpoint_save.json")
     args = parser.parse_args()
 
+    os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
     try:
         params = [torch.randn(args.elements // 4, dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
@@ -54,7 +55,7 @@ def main() -> None:
             for p in params:
                 p.grad = torch.randn_like(p)
             streamed.step()
-            files = [streamed.store._backing.path(b) for b in streamed.store.buckets]
+            files = [streamed.store._backing.file_backing(b).path(b) for b in streamed.store.buckets]
             nbytes = sum(os.path.getsize(f) for f in files)
             rows = []
             for i in range(args.repeats):

@@ -226,7 +226,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             bucket_bytes_max=store.bucket_bytes_max,
             stored_bytes=store.file_bytes_total,
             staging_bytes=config.staging_bytes_total,
-            direct_io=bool(getattr(store._backing, "direct", False)),
+            direct_io=store._backing.direct,
         )
 
     rss_setup = _status("VmRSS")

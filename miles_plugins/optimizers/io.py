@@ -85,6 +85,8 @@ class FileHandle:
     chunk (at most the staging buffer) at an aligned offset; with direct I/O the
     transfer is rounded up to the alignment, which the layout reserves as padding."""
 
+    on_caller_stream = False
+
     def __init__(self, read_path: str, write_path: str, direct: bool, io_queue: int = 0) -> None:
         self.read_path, self.write_path = read_path, write_path
         self.direct, self.io_queue = direct, io_queue
@@ -220,13 +222,15 @@ def _direct_io_works(path: str) -> bool:
 
 class BufferHandle:
     """One bucket's buffer in memory (host or device); chunks copy straight between
-    it and the tensors being streamed."""
+    it and the tensors being streamed. ``on_caller_stream``: the engine runs its
+    copies on the caller's thread and stream (see :class:`PipelinedEngine`)."""
 
     io_queue = 0
 
-    def __init__(self, buffer: torch.Tensor, name: str) -> None:
+    def __init__(self, buffer: torch.Tensor, name: str, on_caller_stream: bool = False) -> None:
         self.buffer = buffer
         self.read_path = self.write_path = name
+        self.on_caller_stream = on_caller_stream
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory | None) -> None:
         dst.copy_(self.buffer[offset : offset + dst.numel()])
@@ -254,7 +258,8 @@ class HostBacking:
             self.release()
             raise StreamIOError(
                 f"cannot hold bucket {bucket.index} ({bucket.file_size} bytes) in host memory: {exc}; "
-                "use the disk tier or give the process more memory",
+                "lower the host budget (--stream-optimizer-state-host-budget-gb, host_budget_bytes), use the "
+                "disk tier, or give the process more memory",
                 f"<host bucket {bucket.index}>",
                 0,
                 errno.ENOMEM,
@@ -294,22 +299,46 @@ class DeviceBacking:
     keeps_previous_state = False
 
     def __init__(self, buckets: Sequence[BucketLayout], device: torch.device) -> None:
+        self.device = device
         self.buffers: dict[int, torch.Tensor] = {}
+        self._offloaded: dict[int, HostMemory] = {}
         for bucket in buckets:
             try:
-                self.buffers[bucket.index] = torch.empty(bucket.file_size, dtype=torch.uint8, device=device)
+                # Zeroed: bytes no write reaches (alignment padding, moments of entries
+                # that never got a grad) are saved as zeros, as from files and host memory.
+                self.buffers[bucket.index] = torch.zeros(bucket.file_size, dtype=torch.uint8, device=device)
             except RuntimeError as exc:  # torch.OutOfMemoryError is one
                 self.release()
                 raise StreamIOError(
                     f"cannot keep bucket {bucket.index} ({bucket.file_size} bytes) in {device} memory: {exc}; "
-                    "lower the GPU budget",
+                    "lower the GPU budget (--stream-optimizer-state-gpu-budget-gb, gpu_budget_bytes)",
                     f"<device bucket {bucket.index}>",
                     0,
                     errno.ENOMEM,
                 ) from exc
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
-        return BufferHandle(self.buffers[bucket.index], f"<device memory of bucket {bucket.index}>")
+        # Device-to-device copies go on the caller's stream: ordered with the update
+        # and with the caching allocator's reuse of freed bucket memory.
+        return BufferHandle(self.buffers[bucket.index], f"<device memory of bucket {bucket.index}>", True)
+
+    def to_host(self, pin: bool) -> None:
+        """Move every buffer to host memory and free the device's (an RL rollout
+        phase wants the GPU); steps still work, copying over PCIe, until :meth:`to_device`."""
+        for index, buffer in list(self.buffers.items()):
+            if index in self._offloaded:
+                continue
+            memory = HostMemory(buffer.numel(), pin)
+            memory.tensor.copy_(buffer)
+            self._offloaded[index] = memory
+            self.buffers[index] = memory.tensor
+
+    def to_device(self) -> None:
+        """Bring the buffers :meth:`to_host` moved back into device memory."""
+        for index, memory in list(self._offloaded.items()):
+            self.buffers[index] = memory.tensor.to(self.device)
+            memory.release()
+            del self._offloaded[index]
 
     def commit(self) -> None:
         pass
@@ -334,6 +363,9 @@ class DeviceBacking:
 
     def release(self) -> None:
         self.buffers.clear()
+        for memory in self._offloaded.values():
+            memory.release()
+        self._offloaded.clear()
 
 
 # ---- engines ---------------------------------------------------------------
@@ -463,7 +495,11 @@ class PipelinedEngine:
     request, so up to ``threads`` reads and ``threads`` writes are in flight at once
     on each queue. A handle's ``io_queue`` (one per state directory; 0 for memory)
     picks the threads that serve it, so each drive gets its own requests
-    in flight instead of waiting behind another drive's in one FIFO.
+    in flight instead of waiting behind another drive's in one FIFO. A handle
+    ``on_caller_stream`` (device memory) is served at once on the caller's thread
+    and stream instead: a device-to-device copy is asynchronous, so a worker
+    stream's copy would be ordered neither with the caller's update nor with the
+    caching allocator, which may hand a released bucket's memory out again.
 
     Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
     device copy runs on that stream and is complete before the thread takes its
@@ -511,12 +547,20 @@ class PipelinedEngine:
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
+        if handle.on_caller_stream:
+            for offset, dst in chunks:
+                handle.read(offset, dst, None)
+            return Ticket()
         pool = self._readers[handle.io_queue]
         futures = [pool.submit(self._run, handle.read, o, t, ready) for o, t in chunks]
         return Ticket(futures, handle.read_path, self.timeout_s)
 
     def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
+        if handle.on_caller_stream:
+            for offset, src in chunks:
+                handle.write(offset, src, None)
+            return Ticket()
         pool = self._writers[handle.io_queue]
         futures = [pool.submit(self._run, handle.write, o, t, ready) for o, t in chunks]
         return Ticket(futures, handle.write_path, self.timeout_s)

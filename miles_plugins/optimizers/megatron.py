@@ -30,8 +30,9 @@ optimizer state:
   from zero); ``--no-load-optim`` starts fresh instead.
 - ``save_parameter_state`` / ``load_parameter_state`` (the legacy checkpoint
   format's per-rank state file): no-ops, for the same reason.
-- ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): no-ops; the
-  streamed state is off the GPU already.
+- ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): the streamed
+  state is off the GPU already, except the buckets its GPU budget keeps there,
+  which move to pinned host memory and back.
 
 Native-fp32 model params are their own mains (a view of the param buffer); they
 stay resident under a small optimizer of the same class.
@@ -417,10 +418,14 @@ class MegatronBinding:
             # streamed state is saved and loaded by the checkpoint hooks instead.
             return None
 
-        def offload_state(self_: Any) -> None:
-            # Upstream moves every main and moment between devices (RL phases); the
-            # streamed state is off the GPU already and its mains have no storage.
-            return None
+        def offload_to_cpu(self_: Any) -> None:
+            # Upstream moves every main and moment off the GPU (RL phases); the streamed
+            # state is there already and its mains have no storage, except the buckets
+            # kept on the GPU by its budget.
+            self.store.offload_device_home()
+
+        def restore_from_cpu(self_: Any) -> None:
+            self.store.restore_device_home()
 
         for name, fn in (
             ("prepare_grads", prepare_grads),
@@ -433,8 +438,8 @@ class MegatronBinding:
             ("sharded_state_dict", sharded_state_dict),
             ("save_parameter_state", parameter_state_file),
             ("load_parameter_state", parameter_state_file),
-            ("offload_to_cpu", offload_state),
-            ("restore_from_cpu", offload_state),
+            ("offload_to_cpu", offload_to_cpu),
+            ("restore_from_cpu", restore_from_cpu),
         ):
             setattr(opt, name, types.MethodType(fn, opt))
         setattr(opt, STORE_ATTR, self)
@@ -555,7 +560,9 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     Each chained optimizer gets its own store under ``config.directory``, named
     ``<config.name>.opt<position in chain>``: the dense and expert optimizers may
     share an instance id, never a directory. The stores share the rank's staging
-    budget (``config.staging_budget_mb``) evenly. All optimizers are checked before
+    budget (``config.staging_budget_mb``) evenly, and fill its GPU and host budgets
+    in turn (dense first: each store places buckets in what the ones before it
+    left). All optimizers are checked before
     any is bound, so a refusal leaves every one of them as it was. A failure
     after binding began (e.g. an I/O error writing the initial mains) closes the
     stores already made and re-raises: the optimizer is then unusable.
@@ -580,8 +587,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 host_budget_bytes=budgets["host"],
             )
             bindings.append(MegatronBinding(member, member_config))
-            held = bindings[-1].store.home_bytes
-            budgets = {home: left - held[home] for home, left in budgets.items()}
+            budgets = bindings[-1].store.budgets_left
     except BaseException:
         for binding in bindings:
             binding.store.close()

@@ -29,10 +29,11 @@ from miles_plugins.optimizers.io import BlockCrc, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 
 
-def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> list[str]:
-    """The home of each bucket (by index): stored sizes fill ``gpu_budget_bytes``,
-    then ``host_budget_bytes``, from the last bucket backwards; a bucket larger
-    than what is left of a budget goes on to the next home; the rest go to ``tier``."""
+def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> tuple[list[str], dict[str, int]]:
+    """The home of each bucket (by index), and what is left of each budget: stored
+    sizes fill ``gpu_budget_bytes``, then ``host_budget_bytes``, from the last
+    bucket backwards; a bucket larger than what is left of a budget goes on to the
+    next home; the rest go to ``tier``."""
     left = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     homes = [config.tier] * len(buckets)
     for bucket in reversed(buckets):
@@ -41,7 +42,7 @@ def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> list[
                 left[home] -= bucket.file_size
                 homes[bucket.index] = home
                 break
-    return homes
+    return homes, left
 
 
 def spread_over_directories(buckets: Sequence[BucketLayout], homes: Sequence[str], free: Sequence[int]) -> list:

@@ -142,17 +142,18 @@ class StreamingStore:
 
         # Each bucket's home, and a disk bucket's directory (placement.py). Each directory
         # used gets a scratch, which checks its free space before anything is written.
-        self.homes = assign_homes(self.buckets, config)
-        directories = config.directories
-        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories] if "disk" in self.homes else []
+        self.homes, self.budgets_left = assign_homes(self.buckets, config)
+        # On the disk tier every directory gets a scratch, used or not: its lock keeps
+        # another process of this name out, and a killed run's files there are purged.
+        directories = config.directories if config.tier == "disk" else ()
+        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories]
         self.directory_of = spread_over_directories(self.buckets, self.homes, free)
         try:
             scratch_of: dict[int, ScratchDir] = {}
             for i, directory in enumerate(directories):
                 mine = [b for b in self.buckets if self.directory_of[b.index] == i]
-                if mine:
-                    scratch_of[i] = ScratchDir(directory, config.name, FileBacking.bytes_needed(mine))
-                    self.scratches.append(scratch_of[i])
+                scratch_of[i] = ScratchDir(directory, config.name, FileBacking.bytes_needed(mine))
+                self.scratches.append(scratch_of[i])
             _warn_about_shared_filesystems([s.directory for s in self.scratches])
             keys = [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
             self._backing, self._engine = _open_backing_and_engine(config, self.buckets, keys, scratch_of, self._device)
@@ -200,9 +201,10 @@ class StreamingStore:
         counts = {home: n for home, n in self.placement.items() if n and home != "disk"}
         where = {places[home]: n for home, n in counts.items()}
         for i, scratch in enumerate(self.scratches):
-            where[scratch.path] = sum(1 for d in self.directory_of if d == i)
+            if n := sum(1 for d in self.directory_of if d == i):
+                where[scratch.path] = n
         if len(where) <= 1:
-            return next(iter(where), places["host"])
+            return next(iter(where), self.scratches[0].path if self.scratches else places["host"])
         return ", ".join(f"{place} ({n} buckets)" for place, n in where.items())
 
     @property
@@ -261,15 +263,16 @@ class StreamingStore:
     def step(self) -> StepStats:
         """One optimizer step over all state; returns what it moved (also in ``last_step``).
 
-        On the disk tier the step writes every bucket to the other slot and
+        On the disk home the step writes every bucket to the other slot and
         commits only when all are written. A step that fails part way raises,
         and the store is as it was before the step: the bucket optimizers' step
         counts and the model params of the buckets it had updated are rolled
         back (their params rewritten from the committed mains), so the caller
         may save a checkpoint or run the whole optimizer step again, losing
-        nothing but the step in progress. Where that cannot be done (the host
-        tier writes in place; remainder mains need the params the step
-        overwrote; transfers hung) the store refuses to step again.
+        nothing but the step in progress. Where that cannot be done (it had
+        updated a bucket at home in host or device memory, which is written in
+        place: those come last in the walk; remainder mains need the params the
+        step overwrote; transfers hung) the store refuses to step again.
         """
         self._check_open()
         while self._step_checks:
@@ -327,9 +330,8 @@ class StreamingStore:
 
     @property
     def _rollback_blocker(self) -> str | None:
-        """Why a failed step cannot be rolled back, or None when it can."""
-        if not self._backing.keeps_previous_state:
-            return "buckets at home in host or device memory are written in place"
+        """Why no failed step can be rolled back, or None when one that updated only
+        disk buckets can (see :meth:`_roll_back`)."""
         if self.config.main_storage == "remainder":
             return "remainder mains need the params the step overwrote"
         return None
@@ -345,8 +347,14 @@ class StreamingStore:
             return
         if not updated:
             return  # no bucket was updated: nothing changed
-        if self._rollback_blocker is not None:
-            self._damaged = f"{failed} after updating {len(updated)} buckets, and {self._rollback_blocker}"
+        in_place = [f.bucket.index for f, _ in updated if self.homes[f.bucket.index] != "disk"]
+        blocker = self._rollback_blocker or (
+            f"buckets at home in host or device memory are written in place (bucket {in_place[0]} was updated)"
+            if in_place
+            else None
+        )
+        if blocker is not None:
+            self._damaged = f"{failed} after updating {len(updated)} buckets, and {blocker}"
             return
         try:
             for flight, prior in updated:
@@ -384,6 +392,22 @@ class StreamingStore:
         was skipped for an inf/nan in the grads)."""
         if not self._closed:
             self._pipeline.drop_prefetch()
+
+    def offload_device_home(self) -> None:
+        """Move the ``gpu`` home's buckets to pinned host memory and free their device
+        memory (an RL rollout phase wants the GPU); :meth:`restore_device_home`
+        brings them back. A step in between still works, over PCIe."""
+        self._settle()
+        device_home = self._backing.by_key.get("gpu")
+        if device_home is not None:
+            device_home.to_host(pin=torch.cuda.is_available())
+
+    def restore_device_home(self) -> None:
+        """Bring what :meth:`offload_device_home` moved back into device memory."""
+        self._settle()
+        device_home = self._backing.by_key.get("gpu")
+        if device_home is not None:
+            device_home.to_device()
 
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
@@ -647,7 +671,8 @@ def _open_backing_and_engine(
     """The backing (each bucket in its place: files in a directory's scratch, pinned
     host memory, device memory) and the engine (a set of I/O threads per directory)."""
     pin = torch.cuda.is_available()
-    queue_of = {i: q for q, i in enumerate(scratch_of)}  # the directories in use, in order
+    used = sorted({key[1] for key in keys if isinstance(key, tuple)})
+    queue_of = {directory: q for q, directory in enumerate(used)}
 
     def build(key, mine: list[BucketLayout]):
         if key == "host":
@@ -667,7 +692,7 @@ def _open_backing_and_engine(
                 pin,
                 device,
                 config.io_timeout_s,
-                queues=max(1, len(scratch_of)),
+                queues=max(1, len(used)),
             )
         else:
             engine = SyncEngine(config.staging_bytes, pin)

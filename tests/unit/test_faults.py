@@ -156,11 +156,18 @@ def test_a_hung_drive_fails_the_step_within_its_timeout_and_the_last_checkpoint_
     )
 
 
-def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, monkeypatch, caplog, fault_report):
+@pytest.mark.parametrize("placement", ["disk", "gpu-host-disk"])
+def test_a_device_allocation_failure_mid_step_loses_only_that_step(
+    tmp_path, monkeypatch, caplog, fault_report, placement
+):
     from miles_plugins.optimizers import pipeline as pipeline_module
+    from tests.unit.test_placement import _all_three_homes
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
-    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, bucket_cap_elements=500)
+    # With budgets, the last three buckets are in memory: the failure comes before any is updated,
+    # so the disk buckets' update still rolls back.
+    config = _all_three_homes() if placement != "disk" else {"bucket_cap_elements": 500}
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
     before = state_of(model, streamed)
     real = pipeline_module.StateAccounting.materialize
     calls = {"n": 0}
@@ -182,7 +189,7 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(tmp_path, mon
     _retry_and_finish(model, optimizer, scheduler, streamed)
     streamed.close()
     fault_report(
-        "device allocation fails mid-step",
+        f"device allocation fails mid-step ({placement})",
         "the allocator's error; state and params back at the previous step",
         f"{type(info.value).__name__}: {info.value}; {updated} updated buckets rolled back; the retried run is "
         "byte-identical",

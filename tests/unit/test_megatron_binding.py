@@ -327,9 +327,10 @@ def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path
         attach(chain, small)
 
 
-def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkeypatch, tier):
     """The GPU and host budgets are the rank's: the first store takes what it places,
-    the next what is left."""
+    the next what is left (buckets the tier takes count against no budget)."""
     from miles_plugins.optimizers import megatron
 
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)  # needs megatron.training (see above)
@@ -337,12 +338,23 @@ def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkey
     budget = sum(sizes) + sizes[-1]
     chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
     config = StreamConfig(
-        directory=str(tmp_path / "scratch"), name="rank0", bucket_cap_elements=3000, gpu_budget_bytes=budget
+        directory=str(tmp_path / "scratch"),
+        name="rank0",
+        bucket_cap_elements=3000,
+        tier=tier,
+        gpu_budget_bytes=budget,
+        host_budget_bytes=max(sizes),
     )
     bindings = megatron.attach(chain, config)
     try:
         assert [b.store.placement["gpu"] for b in bindings] == [len(sizes), 1]
         assert sum(b.store.home_bytes["gpu"] for b in bindings) == budget
+        # The host budget went to the second store; with the host tier, so did every bucket the GPU left.
+        assert bindings[0].store.placement["host"] == 0
+        if tier == "host":
+            assert bindings[1].store.placement["host"] == len(sizes) - 1
+        else:
+            assert 0 < bindings[1].store.home_bytes["host"] <= max(sizes)
     finally:
         for binding in bindings:
             binding.store.close()

@@ -17,7 +17,7 @@ from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.placement import assign_homes, spread_over_directories
 from tests.unit.reference import Net, assert_same_training, groups, reference_run
 from tests.unit.test_bit_identity import STEPS, streamed_run
-from tests.unit.test_checkpoint import SAVE_AT, resume, save_run, state_of, train
+from tests.unit.test_checkpoint import SAVE_AT, fresh, resume, save_run, state_of, train
 
 
 def _bucket(index: int, size: int) -> BucketLayout:
@@ -25,20 +25,21 @@ def _bucket(index: int, size: int) -> BucketLayout:
 
 
 @pytest.mark.parametrize(
-    "sizes, gpu, host, tier, homes",
+    "sizes, gpu, host, tier, homes, left",
     [
-        ([10, 10, 10, 10], 0, 0, "disk", ["disk"] * 4),
-        ([10, 10, 10, 10], 10, 25, "disk", ["disk", "host", "host", "gpu"]),
+        ([10, 10, 10, 10], 0, 0, "disk", ["disk"] * 4, (0, 0)),
+        ([10, 10, 10, 10], 10, 25, "disk", ["disk", "host", "host", "gpu"], (0, 5)),
         # A bucket too large for what is left of a budget goes on; a smaller one before it may still fit.
-        ([5, 30, 10], 15, 0, "host", ["gpu", "host", "gpu"]),
-        ([10, 10], 100, 100, "disk", ["gpu", "gpu"]),
-        ([10, 10, 10], 0, 10, "host", ["host", "host", "host"]),
+        ([5, 30, 10], 15, 0, "host", ["gpu", "host", "gpu"], (0, 0)),
+        ([10, 10], 100, 100, "disk", ["gpu", "gpu"], (80, 100)),
+        # The tier's buckets take nothing from the host budget.
+        ([10, 10, 10], 0, 15, "host", ["host", "host", "host"], (0, 5)),
     ],
 )
-def test_budgets_fill_gpu_then_host_from_the_last_bucket_backwards(sizes, gpu, host, tier, homes):
+def test_budgets_fill_gpu_then_host_from_the_last_bucket_backwards(sizes, gpu, host, tier, homes, left):
     buckets = [_bucket(i, s) for i, s in enumerate(sizes)]
     config = StreamConfig(directory="/unused", tier=tier, gpu_budget_bytes=gpu, host_budget_bytes=host)
-    assert assign_homes(buckets, config) == homes
+    assert assign_homes(buckets, config) == (homes, {"gpu": left[0], "host": left[1]})
 
 
 CAP = 500  # elements per bucket: six buckets of the test model
@@ -83,7 +84,12 @@ def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_
     streamed.close()
 
 
-def test_no_scratch_directory_when_the_budgets_take_every_bucket(tmp_path):
+def test_with_every_bucket_in_memory_the_scratch_is_still_locked_and_purged(tmp_path):
+    """The disk tier's directory keeps its scratch (empty): its lock keeps another
+    process of the name out, and what a killed run left there is purged."""
+    stale = tmp_path / "rank0"
+    stale.mkdir()
+    (stale / "bucket_00000.slot0.bin").write_bytes(b"left by a killed run")
     sizes = _bucket_sizes()
     params, state, streamed = streamed_run(
         torch.optim.AdamW,
@@ -94,10 +100,11 @@ def test_no_scratch_directory_when_the_budgets_take_every_bucket(tmp_path):
         gpu_budget_bytes=sum(sizes[:2]),
         host_budget_bytes=sum(sizes),
     )
-    assert streamed.store.scratches == [] and streamed.store.placement["disk"] == 0
-    assert list(tmp_path.iterdir()) == []
+    assert streamed.store.placement["disk"] == 0 and len(streamed.store.scratches) == 1
+    assert os.listdir(streamed.store.scratches[0].path) == []
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), (params, state))
     streamed.close()
+    assert os.listdir(tmp_path) == []
 
 
 MIXED = "mixed"
@@ -227,3 +234,37 @@ def test_each_directory_needs_its_share_of_the_staging_budget():
         StreamConfig(directory="/a,/b,/c", staging_budget_mb=8)
     config = StreamConfig(directory="/a,/b", staging_budget_mb=128)
     assert config.staging_bytes_total <= 128 << 20 and config.staging_bytes == 8 << 20
+
+
+def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path):
+    """offload_to_cpu / restore_from_cpu (Megatron's RL phase switches) move the gpu
+    home's buckets out of device memory and back; a step in between still works."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **_all_three_homes())
+    device_home = streamed.store._backing.by_key["gpu"]
+    train(model, optimizer, scheduler, range(8))
+    streamed.store.offload_device_home()
+    last = streamed.store.buckets[-1].index
+    assert list(device_home._offloaded) == [last] and device_home.buffers[last] is device_home._offloaded[last].tensor
+    train(model, optimizer, scheduler, range(8, 12))
+    streamed.store.restore_device_home()
+    assert device_home._offloaded == {}
+    train(model, optimizer, scheduler, range(12, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_the_gpu_home_saves_zeros_where_nothing_was_written(tmp_path):
+    """Alignment padding and unwritten moments come out as zeros, as from files: a
+    checkpoint's bytes do not depend on placement or on what the allocator held before."""
+    garbage = [torch.full((1 << 16,), 0xAB, dtype=torch.uint8) for _ in range(8)]
+    del garbage  # freed blocks full of 0xAB for the allocator to hand out again
+    saved = {}
+    for name, config in (
+        ("disk", {"bucket_cap_elements": CAP}),
+        ("gpu", {**_all_three_homes(), "host_budget_bytes": 0}),
+    ):
+        config = {**config, "gpu_budget_bytes": 1 << 30} if name == "gpu" else config
+        save_run(tmp_path / name, tmp_path / name / "ckpt", **config)[3].close()
+        directory = tmp_path / name / "ckpt" / "rank0"
+        saved[name] = {p.name: p.read_bytes() for p in sorted(directory.glob("bucket_*.bin"))}
+    assert saved["disk"] and saved["disk"] == saved["gpu"]
