@@ -93,7 +93,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=lambda text: _gib(text, "--stream-optimizer-state-gpu-budget-gb"),
             default=0.0,
-            help="GiB of GPU memory for buckets kept on the GPU between steps (no transfer at all); filled first",
+            help="GiB (2^30 bytes) of GPU memory per rank for buckets kept on the GPU between steps (no "
+            "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert)",
         ),
     ),
     (
@@ -101,7 +102,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=lambda text: _gib(text, "--stream-optimizer-state-host-budget-gb"),
             default=0.0,
-            help="GiB of pinned host memory per rank for buckets the GPU budget leaves; the rest go to the tier",
+            help="GiB (2^30 bytes) of pinned host memory per rank for buckets the GPU budget leaves, shared "
+            "like it; the rest go to the tier. A step that fails after updating a bucket in host or GPU memory "
+            "cannot be rolled back",
         ),
     ),
     (

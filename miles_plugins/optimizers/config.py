@@ -37,9 +37,9 @@ REMOVED_MOMENT_DTYPES: dict[str, str] = {
 # do not place.
 TIERS = ("disk", "host")
 
-# A bucket's home between steps, in the order buckets fill them: the compute
-# device's own memory (``gpu``: no transfer over PCIe or to a drive; on a machine
-# without CUDA, the CPU's), pinned host memory (``host``), files (``disk``).
+# A bucket's home between steps, in the order buckets fill them: the memory of
+# the device the mains live on (``gpu``: no transfer over PCIe or to a drive; the
+# CPU's where the mains are on the CPU), pinned host memory (``host``), files (``disk``).
 HOMES = ("gpu", "host", "disk")
 
 # How buckets move: "pipelined" reads bucket i+1 and writes bucket i-1 while bucket

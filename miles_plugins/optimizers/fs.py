@@ -143,10 +143,10 @@ def parse_size(text: str) -> int:
     """Bytes of a size such as ``3M``, ``2G``, ``1.5T`` or ``4096`` (binary units:
     K is 2**10, ... T is 2**40; an optional trailing ``B`` or ``iB`` is accepted).
     Raises ValueError saying what a size looks like."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(?:([KMGT])(?:IB|B)?|B)?\s*", text.upper())
     if match is None:
         raise ValueError(f"{text!r} is not a size: give a number of bytes with an optional K, M, G or T, e.g. 3M, 2G")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or ""])
 
 
 def require_free_space(path: str, needed: int, what: str, note: str = "") -> None:

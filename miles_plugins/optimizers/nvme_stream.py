@@ -80,11 +80,14 @@ def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[Megatro
     if not bindings:
         logger.warning("optimizer-state streaming is on but the optimizer chain holds no params on this rank")
     for binding in bindings:
+        store = binding.store
+        kept = sum(b.materialized_bytes for b in store.buckets if store.homes[b.index] == "gpu")
         logger.info(
-            "optimizer-state streaming on for %s: %d buckets, %.2f GB of state off the GPU, under %s",
-            config.name,
-            len(binding.store.buckets),
-            binding.store.state_bytes_total / 1e9,
-            binding.store.location,
+            "optimizer-state streaming on for %s: %d buckets, %.2f GB of state off the GPU%s, under %s",
+            store.config.name,
+            len(store.buckets),
+            (store.state_bytes_total - kept) / 1e9,
+            f" ({store.home_bytes['gpu'] / 1e9:.2f} GB kept there by the GPU budget)" if kept else "",
+            store.location,
         )
     return bindings

@@ -12,6 +12,7 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.fs import parse_size
 from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.placement import assign_homes, spread_over_directories
@@ -268,3 +269,16 @@ def test_the_gpu_home_saves_zeros_where_nothing_was_written(tmp_path):
         directory = tmp_path / name / "ckpt" / "rank0"
         saved[name] = {p.name: p.read_bytes() for p in sorted(directory.glob("bucket_*.bin"))}
     assert saved["disk"] and saved["disk"] == saved["gpu"]
+
+
+@pytest.mark.parametrize(
+    "text, size", [("3M", 3 << 20), ("2G", 2 << 30), ("1.5T", 3 << 39), ("4096", 4096), ("2GiB", 2 << 30), ("7B", 7)]
+)
+def test_sizes_read_with_binary_units(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "-1G", "G", "5iB", "1X", "2 gigs"])
+def test_what_is_not_a_size_is_refused_saying_what_one_looks_like(text):
+    with pytest.raises(ValueError, match="is not a size: give a number of bytes with an optional K, M, G or T"):
+        parse_size(text)
