@@ -17,6 +17,16 @@ each in its own process so GPU peaks, RSS and page cache are its own:
   ``--optimizer-cpu-offload`` builds: CPU AdamW over fp32 copies), with
   megatron-core and a GPU only.
 
+Placement points (``--host-fractions 0,25,50,75,100``, ``--gpu-fractions``):
+``placed@host<P>`` streams pipelined-fp32 with the host budget at P% of the
+stored state (the rest on disk; 100: the host tier), ``placed@gpu<P>`` with the
+GPU budget at P%, and ``megatron-cpu-offload@<P>`` is ``HybridDeviceOptimizer``
+with ``optimizer_offload_fraction`` P/100 (the rest stepped on the GPU), beside
+them in the same run. In the constrained regime a point's cgroup limit is raised
+by what it pins on purpose. A placed point's bound is its disk bytes at the
+measured rates plus its host bytes at ``HOST_GBPS``. ``--plot JSON`` draws step
+time against the host fraction into a PNG beside it (needs matplotlib).
+
 Two regimes. *constrained*: the disk modes run inside a cgroup v2 whose
 ``memory.max`` is well below the state, so the page cache cannot hold it (the
 regime these runs live in; needs root and the memory controller, else it is
@@ -42,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -86,6 +97,52 @@ REGIMES = {
     "constrained": [m for m in MODES if m.startswith(("sync", "pipelined"))],
     "roomy": ["resident", "sync-fp32", "pipelined-fp32", "host", "host-rem", "megatron-cpu-offload"],
 }
+
+# Placement points: "placed@host<P>", "placed@gpu<P>", "megatron-cpu-offload@<P>" (see the docstring).
+POINT = re.compile(r"(placed@host|placed@gpu|megatron-cpu-offload@)(\d+)")
+# Host memory <-> device the host part of a placed point's bound assumes (pinned, over PCIe 5).
+HOST_GBPS = 40
+
+
+def _point(mode: str) -> tuple[str, int] | None:
+    """(kind, percent) of a placement point, or None for a plain mode."""
+    match = POINT.fullmatch(mode)
+    if match is None or int(match.group(2)) > 100:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def _settings(mode: str, params: int) -> dict | None:
+    """StreamConfig settings of a streamed mode or point; None for the others."""
+    point = _point(mode)
+    if point is None:
+        return MODES[mode]
+    kind, percent = point
+    budget = int(percent / 100 * 12 * params)  # of the fp32 state; padding makes 100% a little short
+    if kind == "placed@host":
+        return dict(tier="host") if percent == 100 else dict(host_budget_bytes=budget)
+    if kind == "placed@gpu":
+        return dict(gpu_budget_bytes=budget if percent < 100 else 2 * 12 * params)
+    return None
+
+
+def _pinned_bytes(mode: str, params: int) -> int:
+    """Host memory a mode holds on purpose (a constrained cgroup is raised by it)."""
+    point = _point(mode)
+    if point is None:
+        return 12 * params if mode in ("host", "host-rem", "megatron-cpu-offload") else 0
+    kind, percent = point
+    # HybridDeviceOptimizer: fp32 param, moments and grad copies on the CPU (16 bytes per param).
+    per_param = {"placed@host": 12, "placed@gpu": 0, "megatron-cpu-offload@": 16}[kind]
+    return int(percent / 100 * per_param * params * 1.05)
+
+
+def _modes_of(regime: str, host_fractions: list[int], gpu_fractions: list[int]) -> list[str]:
+    """A regime's modes, then its placement points (Megatron's partial offload: roomy only)."""
+    points = [f"placed@host{p}" for p in host_fractions] + [f"placed@gpu{p}" for p in gpu_fractions]
+    if regime == "roomy":
+        points += [f"megatron-cpu-offload@{p}" for p in host_fractions if p > 0]
+    return REGIMES[regime] + points
 
 
 # ---- the child: one mode, one process --------------------------------------------
@@ -173,15 +230,18 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             for p, main in zip(params, mains, strict=True):
                 p.copy_(main)
 
-    elif mode == "megatron-cpu-offload":
+    elif mode.startswith("megatron-cpu-offload"):
         from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+        point = _point(mode)
 
         for p, grad in zip(params, grads, strict=True):
             p.decoupled_grad = grad  # HybridDeviceOptimizer reads fp32 grads from here
-        # As megatron.core.optimizer builds it for --optimizer-cpu-offload (offload fraction 1).
+        # As megatron.core.optimizer builds it for --optimizer-cpu-offload (offload fraction 1,
+        # or --optimizer-offload-fraction's for a point).
         optimizer = HybridDeviceOptimizer(
             [{"params": params}],
-            offload_fraction=1.0,
+            offload_fraction=point[1] / 100 if point else 1.0,
             cpu_optimizer_cls=torch.optim.AdamW,
             gpu_optimizer_cls=torch.optim.AdamW,
             overlap_cpu_optimizer_d2h_h2d=True,
@@ -209,7 +269,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             bucket_cap_elements=args.bucket_cap,
             staging_budget_mb=int(args.staging_mb),
             io_threads=args.io_threads,
-            **MODES[mode],
+            **_settings(mode, args.params),
         )
         store = StreamingStore(
             entries,
@@ -227,6 +287,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             stored_bytes=store.file_bytes_total,
             staging_bytes=config.staging_bytes_total,
             direct_io=store._backing.direct,
+            placement=store.placement,
+            home_bytes=store.home_bytes,
         )
 
     rss_setup = _status("VmRSS")
@@ -282,7 +344,11 @@ def _cgroup(limit: int) -> str | None:
     return path
 
 
-def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: int) -> dict:
+def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: int, limit: int = 0) -> dict:
+    if cgroup:
+        # What the mode pins on purpose comes on top of the limit that keeps its disk part honest.
+        with open(os.path.join(cgroup, "memory.max"), "w") as f:
+            f.write(str(limit + _pinned_bytes(mode, args.params)))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     cmd = [sys.executable, "-m", "bench.optimizer_step", "--child", mode, "--child-out", result_path]
@@ -310,7 +376,7 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: 
 
 def _available(mode: str, device: torch.device) -> str | None:
     """Why ``mode`` cannot run here, or None."""
-    if mode == "megatron-cpu-offload":
+    if mode.startswith("megatron-cpu-offload"):
         if device.type != "cuda":
             return "needs a GPU"
         try:
@@ -325,7 +391,16 @@ def _derive(result: dict, rates: disk.DiskRates | None) -> None:
         return
     moved = result["bytes_read"] + result["bytes_written"]
     result["gb_per_s"] = moved / 1e9 / result["step_seconds"]
-    if result["mode"].startswith(("sync", "pipelined")):
+    if result["mode"].startswith("placed@"):
+        # Every bucket is read and written once a step: its disk part at the drive's
+        # measured rates, its host part at HOST_GBPS (the gpu part moves on the device).
+        held = result["home_bytes"]
+        bound = disk.step_bound(rates, held["disk"], held["disk"]) + 2 * held["host"] / (HOST_GBPS * 1e9)
+        result["host_fraction"] = held["host"] / max(1, sum(held.values()))
+        result["gpu_fraction"] = held["gpu"] / max(1, sum(held.values()))
+        result["disk_bound_seconds"] = bound
+        result["ratio_to_disk_bound"] = result["step_seconds"] / bound if bound else None
+    elif result["mode"].startswith(("sync", "pipelined")):
         bound = disk.step_bound(rates, result["bytes_read"], result["bytes_written"])
         result["disk_bound_seconds"] = bound
         result["ratio_to_disk_bound"] = result["step_seconds"] / bound
@@ -356,34 +431,49 @@ def _targets(regimes: dict) -> dict:
                 split[f"{regime}: {mode} step at {small} MiB staging / at {large} MiB (~1)"] = (
                     steps[small] / steps[large]
                 )
-    return split | {
-        "constrained: pipelined-fp32 step / disk bound (<= 1.1)": get(
-            "constrained", "pipelined-fp32", "ratio_to_disk_bound"
-        ),
-        "constrained: sync-fp32 / pipelined-rem-fp32 (>= 1.2)": ratio(
-            get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-fp32")
-        ),
-        "constrained: sync-bf16 / pipelined-rem-bf16 (>= 1.33)": ratio(
-            get("constrained", "sync-bf16"), get("constrained", "pipelined-rem-bf16")
-        ),
-        "constrained: pipelined-rem-bf16 / pipelined-rem-8bit (>= 1.35)": ratio(
-            get("constrained", "pipelined-rem-bf16"), get("constrained", "pipelined-rem-8bit")
-        ),
-        "constrained: sync-fp32 / pipelined-rem-8bit (>= 3.5)": ratio(
-            get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-8bit")
-        ),
-        "roomy: sync-fp32 (page cache) / host (>= 5)": ratio(get("roomy", "sync-fp32"), get("roomy", "host")),
-        "roomy: megatron-cpu-offload / host (> 1)": ratio(get("roomy", "megatron-cpu-offload"), get("roomy", "host")),
-        "device peak below resident (>= 0.45)": (
-            1 - streamed_peak / resident_peak if resident_peak and streamed_peak else None
-        ),
-    }
+    points = {}
+    for regime, results in regimes.items():
+        for mode, r in results.items():
+            point = _point(mode)
+            if point and point[0] == "placed@host" and r.get("ratio_to_disk_bound") is not None:
+                points[f"{regime}: {mode} step / its bound (<= 1.15)"] = r["ratio_to_disk_bound"]
+            if point and point[0] == "megatron-cpu-offload@":
+                ours = f"placed@host{point[1]}"
+                points[f"{regime}: {mode} / {ours} (> 1)"] = ratio(get(regime, mode), get(regime, ours))
+    return (
+        split
+        | points
+        | {
+            "constrained: pipelined-fp32 step / disk bound (<= 1.1)": get(
+                "constrained", "pipelined-fp32", "ratio_to_disk_bound"
+            ),
+            "constrained: sync-fp32 / pipelined-rem-fp32 (>= 1.2)": ratio(
+                get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-fp32")
+            ),
+            "constrained: sync-bf16 / pipelined-rem-bf16 (>= 1.33)": ratio(
+                get("constrained", "sync-bf16"), get("constrained", "pipelined-rem-bf16")
+            ),
+            "constrained: pipelined-rem-bf16 / pipelined-rem-8bit (>= 1.35)": ratio(
+                get("constrained", "pipelined-rem-bf16"), get("constrained", "pipelined-rem-8bit")
+            ),
+            "constrained: sync-fp32 / pipelined-rem-8bit (>= 3.5)": ratio(
+                get("constrained", "sync-fp32"), get("constrained", "pipelined-rem-8bit")
+            ),
+            "roomy: sync-fp32 (page cache) / host (>= 5)": ratio(get("roomy", "sync-fp32"), get("roomy", "host")),
+            "roomy: megatron-cpu-offload / host (> 1)": ratio(
+                get("roomy", "megatron-cpu-offload"), get("roomy", "host")
+            ),
+            "device peak below resident (>= 0.45)": (
+                1 - streamed_peak / resident_peak if resident_peak and streamed_peak else None
+            ),
+        }
+    )
 
 
 def _table(regimes: dict) -> str:
     cols = [
         ("regime", 11, None),
-        ("mode", 20, None),
+        ("mode", 24, None),
         ("step s", 8, "step_seconds"),
         ("read GB", 8, "bytes_read"),
         ("wrote GB", 8, "bytes_written"),
@@ -401,7 +491,7 @@ def _table(regimes: dict) -> str:
     lines = [" ".join(name.rjust(width) for name, width, _ in cols)]
     for regime, results in regimes.items():
         for mode, r in results.items():
-            cells = [regime.rjust(11), mode.rjust(20)]
+            cells = [regime.rjust(11), mode.rjust(24)]
             if "error" in r or "skipped" in r:
                 cells.append(f"  {r.get('skipped') or r['error']}")
             else:
@@ -411,6 +501,42 @@ def _table(regimes: dict) -> str:
                     cells.append(text.rjust(width))
             lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+def plot(path: str) -> str:
+    """Step time against the fraction of the state in host memory, per regime: the
+    placed points and Megatron's partial offload. Returns the PNG's path."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        report = json.load(f)
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for regime, results in report["regimes"].items():
+        series: dict[str, list[tuple[float, float]]] = {}
+        for mode, r in results.items():
+            point = _point(mode)
+            if point is None or point[0] == "placed@gpu" or "step_seconds" not in r:
+                continue
+            x = r.get("host_fraction", point[1] / 100)
+            label = "streamed (host + disk)" if point[0] == "placed@host" else "Megatron HybridDeviceOptimizer"
+            series.setdefault(f"{label}, {regime}", []).append((x * 100, r["step_seconds"]))
+        for label, points in series.items():
+            points.sort()
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    axes.set_xlabel("optimizer state in host memory (%)")
+    axes.set_ylabel("optimizer step (s)")
+    axes.set_title(f"{report['params'] / 1e9:.2g}B params on {report.get('device_name', report['device'])}")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    out = os.path.splitext(path)[0] + "-placement.png"
+    figure.tight_layout()
+    figure.savefig(out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,10 +572,28 @@ def main(argv: list[str] | None = None) -> int:
         help="run every (mode, staging budget) this many times, alternating the budgets' order; "
         "steps are the median over all rounds",
     )
+    parser.add_argument(
+        "--host-fractions",
+        default="",
+        help="placement points: percents of the state in host memory, e.g. 0,25,50,75,100 (with "
+        "megatron-cpu-offload at the same fractions in the roomy regime)",
+    )
+    parser.add_argument("--gpu-fractions", default="", help="placement points: percents of the state kept on the GPU")
+    parser.add_argument("--plot", metavar="JSON", help="draw a result file's placement points into a PNG beside it")
     parser.add_argument("--out", default="bench-results/optimizer_step.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot:
+        print(f"wrote {plot(args.plot)}")
+        return 0
+    try:
+        host_fractions = [int(p) for p in args.host_fractions.split(",") if p]
+        gpu_fractions = [int(p) for p in args.gpu_fractions.split(",") if p]
+    except ValueError:
+        parser.error("--host-fractions / --gpu-fractions: comma-separated whole percents")
+    if any(not 0 <= p <= 100 for p in host_fractions + gpu_fractions):
+        parser.error("--host-fractions / --gpu-fractions: percents from 0 to 100")
     if args.params <= 0 or args.steps <= 0:
         parser.error("--params and --steps must be positive")
     if args.bucket_cap is None:
@@ -505,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "disk": dict(previous.get("disk", {})) if same_size else {},
     }
     for regime in regimes:
-        cgroup = None
+        cgroup, limit = None, 0
         if regime == "constrained":
             limit = int(args.memory_max_gib * 2**30) if args.memory_max_gib else max(state_bytes // 4, 2 << 30)
             if limit >= state_bytes:
@@ -517,8 +661,8 @@ def main(argv: list[str] | None = None) -> int:
             report["memory_max_bytes"] = limit
         results = {}
         try:
-            for mode in REGIMES[regime]:
-                if mode not in wanted:
+            for mode in _modes_of(regime, host_fractions, gpu_fractions):
+                if mode not in wanted and not _point(mode):
                     continue
                 why = _available(mode, torch.device(args.device))
                 if why:
@@ -528,19 +672,19 @@ def main(argv: list[str] | None = None) -> int:
                 # bare mode name (the targets read them), the others get "@<budget>MiB".
                 # With --rounds, the budgets run again in alternating order (a drive's state
                 # drifts within a run), and each one's step is the median over all its steps.
-                staged = mode.startswith(("sync", "pipelined"))
+                staged = mode.startswith(("sync", "pipelined"))  # placement points run at the first budget
                 order = budgets if staged else budgets[:1]
                 for round_index in range(args.rounds):
                     for mb in order if round_index % 2 == 0 else order[::-1]:
                         key = mode if mb == budgets[0] else f"{mode}@{mb}MiB"
                         print(f"[{regime}] {key} (round {round_index + 1} of {args.rounds})...", flush=True)
-                        result = _child(mode, args, cgroup, mb)
+                        result = _child(mode, args, cgroup, mb, limit)
                         if key not in results or "step_seconds_all" not in results[key]:
                             results[key] = result
                         elif "step_seconds_all" in result:  # a failed later round keeps the earlier ones
                             steps = results[key]["step_seconds_all"] + result["step_seconds_all"]
                             results[key].update(step_seconds_all=steps, step_seconds=statistics.median(steps))
-                        results[key]["staging_budget_mb"] = mb if MODES[mode] is not None else None
+                        results[key]["staging_budget_mb"] = mb if _settings(mode, args.params) is not None else None
                         results[key]["rounds"] = round_index + 1
                 for mb in order:
                     _derive(results[mode if mb == budgets[0] else f"{mode}@{mb}MiB"], rates)
