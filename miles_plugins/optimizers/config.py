@@ -118,11 +118,12 @@ class StreamConfig:
             device may take (the ``gpu`` home: a step copies them device to
             device, no PCIe or drive). Buckets fill it first, from the last the
             step visits backwards (so the disk buckets' transfers overlap the
-            others' updates), each taking its stored size.
+            others' updates), each taking its stored size, up to the first
+            that does not fit.
         host_budget_bytes: pinned host memory for buckets the GPU budget did not
             take (the ``host`` home), filled next, the same way; the rest go to
-            ``tier``. A bucket larger than what is left of a budget goes on to
-            the next home. Placement never changes a result or a checkpoint.
+            ``tier``. Each home is one run of buckets, every disk bucket before
+            every in-memory one. Placement never changes a result or a checkpoint.
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
             one-bucket-at-a-time baseline with buffered I/O).
         buckets_in_flight: pipelined engine: the most buckets materialized on
@@ -159,6 +160,8 @@ class StreamConfig:
     host_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.directory, list):  # frozen and hashable: keep a tuple
+            object.__setattr__(self, "directory", tuple(self.directory))
         directories = self.directories
         if self.tier == "disk" and (not directories or not all(directories)):
             raise StreamConfigError(

@@ -46,7 +46,8 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
         return []
     validate_args(args)
     name = f"rank{_global_rank()}"
-    _purge_previous_layout(args.offload_train_disk_dir, name)
+    for directory in args.offload_train_disk_dir.split(","):  # one per drive
+        _purge_previous_layout(directory.strip(), name)
     bindings = stream_optimizer_state(optimizer, config_from_args(args, name=name))
     global streamed_optimizers
     streamed_optimizers += len(bindings)
@@ -87,7 +88,9 @@ def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[Megatro
             store.config.name,
             len(store.buckets),
             (store.state_bytes_total - kept) / 1e9,
-            f" ({store.home_bytes['gpu'] / 1e9:.2f} GB kept there by the GPU budget)" if kept else "",
+            f" ({kept / 1e9:.2f} GB, {store.home_bytes['gpu'] / 1e9:.2f} GB stored, kept there by the GPU budget)"
+            if kept
+            else "",
             store.location,
         )
     return bindings

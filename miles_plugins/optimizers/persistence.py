@@ -213,7 +213,7 @@ class Persistence:
             )
         data = manifest.data
         self._commit(
-            lambda write: self._copy_buckets(source, manifest) if write else self._verify_buckets(source, manifest),
+            lambda buckets, write: (self._copy_buckets if write else self._verify_buckets)(source, manifest, buckets),
             data["bucket_state"],
             data["resident_state"] if self.resident_optimizer is not None else None,
             self._read_resident(source, manifest) if self.resident_optimizer is not None else None,
@@ -290,16 +290,17 @@ class Persistence:
         what: str,
         mark_damaged: Callable[[str], None],
     ) -> None:
-        """The end of a load, everything checked: ``fill(write)`` brings the bucket
-        bytes in (``write`` False: only reads and verifies them). The disk tier
-        fills its spare slots before anything live changes; the host tier, with no
-        spare, verifies first and fills after the point of no return."""
-        spare = self.backing.keeps_previous_state
-        fill(spare)
+        """The end of a load, everything checked: ``fill(buckets, write)`` brings
+        those buckets' bytes in (``write`` False: only reads and verifies them).
+        Disk buckets fill their spare slots before anything live changes; buckets
+        in host or device memory, with no spare, are verified first and filled
+        after the point of no return."""
+        in_place = [b for b in self.buckets if not self.backing.keeps_previous_state_of(b)]
+        fill([b for b in self.buckets if b not in in_place], True)
+        fill(in_place, False)
         try:
             # The commit: from here on the live state changes.
-            if not spare:
-                fill(True)
+            fill(in_place, True)
             self.backing.commit()
             for optimizer, saved in zip(self.bucket_optimizers, bucket_states, strict=True):
                 optimizer.import_state(saved, materialize=False)
@@ -367,9 +368,9 @@ class Persistence:
             problems += _check_options(data["master_options"], self.master_groups)
         return problems
 
-    def _copy_buckets(self, source: str, manifest: Manifest) -> None:
-        """Copy every bucket file into the backing (``backing.restore``), checking its checksums."""
-        for bucket in self.buckets:
+    def _copy_buckets(self, source: str, manifest: Manifest, buckets: Sequence[BucketLayout]) -> None:
+        """Copy the buckets' files into the backing (``backing.restore``), checking their checksums."""
+        for bucket in buckets:
             path = os.path.join(source, bucket.file_name)
             crc = BlockCrc(manifest.block_bytes)
             fd = open_file(path, os.O_RDONLY)
@@ -379,9 +380,9 @@ class Persistence:
                 os.close(fd)
             _check_crc(path, crc, manifest, bucket.file_name)
 
-    def _verify_buckets(self, source: str, manifest: Manifest) -> None:
-        """Read every bucket file once, checking its checksums; nothing is copied."""
-        for bucket in self.buckets:
+    def _verify_buckets(self, source: str, manifest: Manifest, buckets: Sequence[BucketLayout]) -> None:
+        """Read the buckets' files once, checking their checksums; nothing is copied."""
+        for bucket in buckets:
             path = os.path.join(source, bucket.file_name)
             crc = BlockCrc(manifest.block_bytes)
             fd = open_file(path, os.O_RDONLY)

@@ -103,6 +103,10 @@ class Pipeline:
         depth: the most buckets materialized at once.
         device: where buckets are materialized (CUDA ordering uses events).
         io_timeout_s: what an abort after a failure may still wait, in total.
+        drain_before: the first bucket whose update cannot be undone (written in
+            place); the walk waits for every write before it is visited, so a
+            failure of those surfaces while the step can still be rolled back.
+            None: no such bucket.
     """
 
     def __init__(
@@ -116,8 +120,10 @@ class Pipeline:
         depth: int,
         device: torch.device,
         io_timeout_s: float,
+        drain_before: int | None = None,
     ) -> None:
         self.entries, self.buckets, self.optimizers = entries, buckets, optimizers
+        self.drain_before = drain_before
         self.backing, self.engine, self.codec = backing, engine, codec
         self.depth, self.device, self.io_timeout_s = depth, device, io_timeout_s
         self.accounting = StateAccounting()
@@ -153,6 +159,9 @@ class Pipeline:
                     self._read_ahead(index + self.depth - 1, ahead, writing, stats)
                     current = ahead.popleft()
                     self.finish_fetch(current)
+                    if index == self.drain_before:
+                        while writing:
+                            self._retire_oldest(writing)
                 visit(current)
                 self.store(current, stats, moments=not mains_only)
                 writing.append(current)

@@ -10,14 +10,16 @@ and stream while they compute, and the buckets at home in memory update at the
 end, while the last disk writes drain.
 
 Each home keeps its failure semantics: the disk home writes a step to the spare
-slots and commits at the end; the host and gpu homes write in place, so a store
-with any bucket there cannot roll a failed step back (the store then refuses to
-step again, as the host tier always has). Stored bytes are the same in every
-home: checkpoints do not depend on placement.
+slots and commits at the end; the host and gpu homes write in place, so a step
+that fails after updating one of their buckets cannot be rolled back (the store
+then refuses to step again, as the host tier always has). Before the first
+in-memory bucket is updated the walk waits for every disk write (``Pipeline``'s
+``drain_before``): a failure up to there rolls back as on disk. Stored bytes are
+the same in every home: checkpoints do not depend on placement.
 
-With several state directories, :func:`spread_over_directories` gives each disk
-bucket one of them by free space; each directory has its own file backing and
-its own I/O threads in the engine (``io_queue``).
+With several state directories, :func:`spread_over_directories` deals the disk
+buckets round robin over those with room; each directory has its own file
+backing and its own I/O threads in the engine (``io_queue``).
 """
 
 from __future__ import annotations
@@ -30,33 +32,43 @@ from miles_plugins.optimizers.layout import BucketLayout
 
 
 def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> tuple[list[str], dict[str, int]]:
-    """The home of each bucket (by index), and what is left of each budget: stored
-    sizes fill ``gpu_budget_bytes``, then ``host_budget_bytes``, from the last
-    bucket backwards; a bucket larger than what is left of a budget goes on to the
-    next home; the rest go to ``tier``."""
+    """The home of each bucket (by index), and what is left of each budget: from the
+    last bucket backwards, stored sizes fill ``gpu_budget_bytes`` up to the first
+    bucket that does not fit, then ``host_budget_bytes`` the same way; the rest go
+    to ``tier``. Each home is a run of consecutive buckets (disk, then host, then
+    gpu, in walk order), so every disk bucket comes before every in-memory one."""
     left = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     homes = [config.tier] * len(buckets)
+    filling = iter(("gpu", "host"))
+    home = next(filling)
     for bucket in reversed(buckets):
-        for home in ("gpu", "host"):
-            if bucket.file_size <= left[home]:
-                left[home] -= bucket.file_size
-                homes[bucket.index] = home
-                break
+        while home is not None and bucket.file_size > left[home]:
+            home = next(filling, None)
+        if home is None:
+            break
+        left[home] -= bucket.file_size
+        homes[bucket.index] = home
     return homes, left
 
 
 def spread_over_directories(buckets: Sequence[BucketLayout], homes: Sequence[str], free: Sequence[int]) -> list:
     """The state directory (an index into ``free``, their free bytes) of each disk
-    bucket, None for the others: each in walk order goes where the most space is
-    left after its two slots, so directories of equal room alternate and
-    consecutive buckets stream from different drives."""
+    bucket, None for the others: in walk order, round robin over the directories
+    with room left for its two slots, so consecutive buckets stream from
+    different drives whatever their sizes; where none has room, the one with the
+    most (its scratch then refuses, saying how much is missing)."""
     left = list(free)
     where: list = [None] * len(buckets)
+    turn = 0
     for bucket in buckets:
-        if homes[bucket.index] == "disk":
-            i = max(range(len(left)), key=lambda d: (left[d], -d))
-            left[i] -= 2 * bucket.file_size
-            where[bucket.index] = i
+        if homes[bucket.index] != "disk":
+            continue
+        need = 2 * bucket.file_size
+        order = [(turn + d) % len(left) for d in range(len(left))]
+        i = next((d for d in order if left[d] >= need), max(order, key=lambda d: left[d]))
+        left[i] -= need
+        where[bucket.index] = i
+        turn = i + 1
     return where
 
 
@@ -80,11 +92,13 @@ class PlacedBacking:
         except BaseException:
             self.release()
             raise
-        # A failed step can be rolled back only where every bucket keeps its previous state.
-        self.keeps_previous_state = all(b.keeps_previous_state for b in self.by_key.values())
 
     def _of(self, bucket: BucketLayout):
         return self.by_key[self.keys[bucket.index]]
+
+    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
+        """Whether the bucket has a spare to fill while its live state stays (disk)."""
+        return self._of(bucket).keeps_previous_state
 
     def file_backing(self, bucket: BucketLayout):
         """The files of a disk bucket (``FileBacking``)."""

@@ -331,12 +331,13 @@ class ReshardedLoad:
 
     # ---- the bytes ---------------------------------------------------------------
 
-    def write_buckets(self, write: bool) -> None:
-        """Assemble every live bucket's segments from the peers' files, verifying
+    def write_buckets(self, buckets: Sequence[BucketLayout], write: bool) -> None:
+        """Assemble the live ``buckets``' segments from the peers' files, verifying
         each block read; with ``write``, into the backing (its spare slot on disk).
         Host memory: one entry's segment, and one checksum block per saved file a
         live bucket reads (those files are closed before the next bucket)."""
-        for b, bucket in enumerate(self.p.buckets):
+        for bucket in buckets:
+            b = bucket.index
             files: dict[tuple[int, int], VerifiedFile] = {}
             handle = self.p.backing.open(bucket) if write else None
             try:

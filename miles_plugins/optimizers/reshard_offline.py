@@ -154,7 +154,7 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
                 target = _target(os.path.join(partial, name), name, peers, dp, rank)
                 make_private_dir(target.directory)
                 load = ReshardedLoad(target, peers)
-                load.write_buckets(write=True)
+                load.write_buckets(target.buckets, write=True)
                 _finish(target, load, peers)
                 elements = sum(b.numel for b in target.buckets)
                 log(f"{name}: {len(target.buckets)} bucket(s), {elements:,} streamed elements, step {load.steps}")

@@ -168,6 +168,7 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
+                drain_before=next((b.index for b in self.buckets if self.homes[b.index] != "disk"), None),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -401,6 +402,8 @@ class StreamingStore:
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None:
             device_home.to_host(pin=torch.cuda.is_available())
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
 
     def restore_device_home(self) -> None:
         """Bring what :meth:`offload_device_home` moved back into device memory."""
@@ -671,8 +674,6 @@ def _open_backing_and_engine(
     """The backing (each bucket in its place: files in a directory's scratch, pinned
     host memory, device memory) and the engine (a set of I/O threads per directory)."""
     pin = torch.cuda.is_available()
-    used = sorted({key[1] for key in keys if isinstance(key, tuple)})
-    queue_of = {directory: q for q, directory in enumerate(used)}
 
     def build(key, mine: list[BucketLayout]):
         if key == "host":
@@ -681,7 +682,7 @@ def _open_backing_and_engine(
             return DeviceBacking(mine, device)
         directory = key[1]
         direct = config.pipelined and config.direct_io
-        return FileBacking(scratch_of[directory].path, mine, direct, io_queue=queue_of[directory])
+        return FileBacking(scratch_of[directory].path, mine, direct, io_queue=directory)
 
     backing = PlacedBacking(buckets, keys, build)
     try:
@@ -692,7 +693,7 @@ def _open_backing_and_engine(
                 pin,
                 device,
                 config.io_timeout_s,
-                queues=max(1, len(used)),
+                queues=config.io_queues,  # one per directory, as the staging budget is split
             )
         else:
             engine = SyncEngine(config.staging_bytes, pin)

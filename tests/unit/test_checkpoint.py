@@ -382,11 +382,13 @@ def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, 
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")
     real = persistence.Persistence._copy_buckets
 
-    def copy_then_fail(self, source, manifest):
-        # Between the verifying read and the copy, the last bucket file changes.
-        path = saved / "rank0" / "bucket_00002.bin"
-        path.write_bytes(b"\0" * path.stat().st_size)
-        return real(self, source, manifest)
+    def copy_then_fail(self, source, manifest, buckets):
+        # Between the verifying read and the copy (of the in-place buckets: all of the
+        # host tier's), the last bucket file changes.
+        if buckets:
+            path = saved / "rank0" / "bucket_00002.bin"
+            path.write_bytes(b"\0" * path.stat().st_size)
+        return real(self, source, manifest, buckets)
 
     monkeypatch.setattr(persistence.Persistence, "_copy_buckets", copy_then_fail)
     with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: the CRC-32 of 1 of its 1 blocks"):

@@ -30,8 +30,11 @@ def _bucket(index: int, size: int) -> BucketLayout:
     [
         ([10, 10, 10, 10], 0, 0, "disk", ["disk"] * 4, (0, 0)),
         ([10, 10, 10, 10], 10, 25, "disk", ["disk", "host", "host", "gpu"], (0, 5)),
-        # A bucket too large for what is left of a budget goes on; a smaller one before it may still fit.
-        ([5, 30, 10], 15, 0, "host", ["gpu", "host", "gpu"], (0, 0)),
+        # A home fills up to the first bucket that does not fit, even where a smaller one before it
+        # would: each home is one run of buckets, the disk ones before every in-memory one.
+        ([5, 30, 10], 15, 0, "host", ["host", "host", "gpu"], (5, 0)),
+        ([10, 30, 10], 15, 40, "disk", ["host", "host", "gpu"], (5, 0)),
+        ([10, 30, 10], 15, 35, "disk", ["disk", "host", "gpu"], (5, 5)),
         ([10, 10], 100, 100, "disk", ["gpu", "gpu"], (80, 100)),
         # The tier's buckets take nothing from the host budget.
         ([10, 10, 10], 0, 15, "host", ["host", "host", "host"], (0, 5)),
@@ -173,12 +176,14 @@ def test_the_device_home_saves_and_loads_through_a_staging_buffer_smaller_than_a
 # ---- several state directories ------------------------------------------------------
 
 
-def test_disk_buckets_go_where_the_most_space_is_left():
+def test_disk_buckets_are_dealt_round_robin_over_the_directories_with_room():
     buckets = [_bucket(i, 10) for i in range(5)]
     homes = ["disk", "disk", "disk", "gpu", "disk"]
     assert spread_over_directories(buckets, homes, [100, 100]) == [0, 1, 0, None, 1]
     assert spread_over_directories(buckets, homes, [1000, 10]) == [0, 0, 0, None, 0]
-    assert spread_over_directories(buckets, ["disk"] * 5, [45, 20]) == [0, 0, 1, 0, 1]
+    # Round robin while both have room for the two slots (20): not by the most free.
+    assert spread_over_directories(buckets, ["disk"] * 5, [1000, 45]) == [0, 1, 0, 1, 0]
+    assert spread_over_directories(buckets, ["disk"] * 5, [45, 20]) == [0, 1, 0, 0, 1]  # then no room: the most left
 
 
 @pytest.mark.parametrize("engine", ["pipelined", "sync"])
@@ -282,3 +287,55 @@ def test_sizes_read_with_binary_units(text, size):
 def test_what_is_not_a_size_is_refused_saying_what_one_looks_like(text):
     with pytest.raises(ValueError, match="is not a size: give a number of bytes with an optional K, M, G or T"):
         parse_size(text)
+
+
+# ---- failures with in-memory buckets -------------------------------------------------
+
+
+def _a_step_whose_last_disk_write_fails(tmp_path, engine: str, gpu_budget: int):
+    """A store with its last bucket on the GPU whose next step fails on its last disk write."""
+    from tests.faults import FaultPlan
+    from tests.unit.reference import loss_fn
+
+    model = Net(torch.bfloat16)
+    optimizer = torch.optim.AdamW(groups(model))
+    scratch = tmp_path / "scratch"
+    config = StreamConfig(directory=str(scratch), engine=engine, bucket_cap_elements=CAP, gpu_budget_bytes=gpu_budget)
+    streamed = StreamedOptimizer(optimizer, config)
+    for step in range(2):
+        loss_fn(model, step).backward()
+        if step == 1:
+            with FaultPlan(scratch, "write", nth=10**9, fault="eio") as counting:  # counts a step's writes
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    loss_fn(model, 2).backward()
+    with FaultPlan(scratch, "write", nth=counting.calls, fault="eio"), pytest.raises(OSError):
+        optimizer.step()
+    return streamed, optimizer
+
+
+@pytest.mark.parametrize("engine", ["pipelined", "sync"])
+def test_a_failed_disk_write_before_the_first_in_memory_update_rolls_back(tmp_path, engine):
+    """The walk waits for every disk write before it updates the first in-memory bucket:
+    a write error of the last disk buckets still finds the step undoable."""
+    streamed, optimizer = _a_step_whose_last_disk_write_fails(tmp_path, engine, _bucket_sizes()[-1])
+    assert streamed.store.placement["gpu"] == 1 and streamed.store.homes[-1] == "gpu"
+    optimizer.step()  # the failed step again: the store rolled back instead of refusing
+    optimizer.zero_grad()
+    streamed.close()
+
+
+def test_staging_allocated_is_what_the_config_reports_with_an_unused_directory(tmp_path):
+    sizes = _bucket_sizes()
+    config = StreamConfig(
+        directory=[str(tmp_path / "a"), str(tmp_path / "b")],
+        bucket_cap_elements=CAP,
+        gpu_budget_bytes=sum(sizes[1:]),  # one bucket on disk: directory b stays unused
+        staging_budget_mb=16,
+    )
+    streamed = StreamedOptimizer(torch.optim.AdamW(groups(Net(torch.bfloat16))), config)
+    assert streamed.store.placement["disk"] == 1
+    assert sum(m.nbytes for m in streamed.store._engine._stagings) == config.staging_bytes_total
+    streamed.close()
