@@ -29,6 +29,7 @@ from miles_plugins.optimizers.config import (
     DEFAULT_IO_TIMEOUT_S,
     DEFAULT_STAGING_BUDGET_MB,
     ENGINES,
+    FP32_PARAM_MOMENTS,
     MAIN_STORAGES,
     MOMENT_DTYPES,
     TIERS,
@@ -121,6 +122,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             choices=list(MAIN_STORAGES),
             default="fp32",
             help="fp32 mains, or remainder: 16 bits beside the bf16 param, still bit-exact (bf16 params only)",
+        ),
+    ),
+    (
+        "--stream-optimizer-state-fp32-param-moments",
+        dict(
+            choices=list(FP32_PARAM_MOMENTS),
+            default="streamed",
+            help="the moments of fp32 params (their own mains, which stay in the model): streamed in buckets of "
+            "their own, or resident beside them; a checkpoint loads only under the setting it was saved with",
         ),
     ),
     (
@@ -442,6 +452,7 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
         io_threads=_get(args, "stream_optimizer_state_io_threads", DEFAULT_IO_THREADS),
         direct_io=_get(args, "stream_optimizer_state_direct_io", True),
         main_storage=_get(args, "stream_optimizer_state_main_storage", "fp32"),
+        fp32_param_moments=_get(args, "stream_optimizer_state_fp32_param_moments", "streamed"),
         io_timeout_s=_get(args, "stream_optimizer_state_io_timeout", DEFAULT_IO_TIMEOUT_S),
         gpu_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_gpu_budget_gb", 0.0)),
         host_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_host_budget_gb", 0.0)),

@@ -80,8 +80,11 @@ DEFAULT_STAGING_BUDGET_MB = 128
 # chunk this large gets fewer threads.
 MIN_STAGING_CHUNK_MB = 2
 
-# Params whose model dtype is already fp32 keep their state resident (their main
-# *is* the model param). Above this many elements that residency is worth a warning.
+# Params whose model dtype is already fp32 are their own mains (the main *is* the
+# model param): their moments are streamed ("streamed", 8 of their 12 bytes per
+# element) or kept resident with them ("resident"). Resident above this many
+# elements is worth a warning.
+FP32_PARAM_MOMENTS = ("streamed", "resident")
 DEFAULT_RESIDENT_WARN_ELEMENTS = 16_000_000
 
 
@@ -137,8 +140,14 @@ class StreamConfig:
             per main instead of 4, still bit-exact).
         io_timeout_s: pipelined engine: the longest a bucket's transfers may
             take before the step fails (a hung drive).
-        resident_warn_elements: warn when fp32-native params (kept resident)
-            exceed this many elements.
+        fp32_param_moments: the moments of params whose model dtype is fp32
+            (their own mains, which stay in the model): ``"streamed"`` (in
+            buckets of their own, last in the walk; updated in place, so a step
+            that fails after updating one cannot be rolled back) or
+            ``"resident"`` (with the params, under one small optimizer). A
+            checkpoint loads only under the setting it was saved with.
+        resident_warn_elements: warn when fp32-native params with resident
+            moments exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable
             across restarts of the same rank so stale scratch gets purged.
     """
@@ -158,6 +167,7 @@ class StreamConfig:
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
     gpu_budget_bytes: int = 0
     host_budget_bytes: int = 0
+    fp32_param_moments: str = "streamed"
 
     def __post_init__(self) -> None:
         if isinstance(self.directory, list):  # frozen and hashable: keep a tuple
@@ -191,7 +201,12 @@ class StreamConfig:
             or self.staging_budget_mb <= 0
         ):
             raise StreamConfigError(f"staging budget must be a positive number of MiB, got {self.staging_budget_mb!r}")
-        for field, choices in (("tier", TIERS), ("engine", ENGINES), ("main_storage", MAIN_STORAGES)):
+        for field, choices in (
+            ("tier", TIERS),
+            ("engine", ENGINES),
+            ("main_storage", MAIN_STORAGES),
+            ("fp32_param_moments", FP32_PARAM_MOMENTS),
+        ):
             if getattr(self, field) not in choices:
                 raise StreamConfigError(
                     f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"

@@ -3,6 +3,8 @@
 A bucket file holds three segments in this order: ``main`` (fp32, or the
 int16 low bits of remainder mains), ``exp_avg`` and ``exp_avg_sq`` (the
 moment storage dtype, or blockwise 8-bit codes and scales: ``quant8.py``).
+A bucket of fp32 params, which are their own mains, has no ``main`` segment:
+its mains are the params, in the model.
 Inside a segment, entries follow in bucket order, each slice starting on an
 ``ALIGNMENT`` boundary so direct I/O can address it.
 """
@@ -97,9 +99,24 @@ class BucketLayout:
         return sum(self.numels)
 
     @property
+    def streams_main(self) -> bool:
+        """False for a bucket of fp32 params: their mains are the params, in the model."""
+        return "main" in self.segments
+
+    def description(self) -> dict:
+        """What a manifest records of this bucket (``"main": false``: fp32 params' moments only)."""
+        return {
+            "file": self.file_name,
+            "size": self.file_size,
+            "numels": list(self.numels),
+            **({} if self.streams_main else {"main": False}),
+        }
+
+    @property
     def materialized_bytes(self) -> int:
-        """Bytes of fp32 state this bucket occupies while it is on the device."""
-        return self.numel * MATERIALIZED_BYTES_PER_ELEMENT
+        """Bytes of fp32 state this bucket occupies while it is on the device (its
+        main, if it streams one, and both moments)."""
+        return self.numel * MAIN_DTYPE.itemsize * len(self.segments)
 
 
 def layout_bucket(
@@ -109,13 +126,15 @@ def layout_bucket(
     moment_dtype: torch.dtype,
     main_dtype: torch.dtype = MAIN_DTYPE,
     blockwise_moments: bool = False,
+    with_main: bool = True,
 ) -> BucketLayout:
     """Lay out the segments of one bucket file, every slice aligned; ``main_dtype``
     is how mains are stored (fp32, or int16 remainders); ``blockwise_moments``:
-    the moments are 8-bit codes (``moment_dtype`` uint8) with per-block scales."""
+    the moments are 8-bit codes (``moment_dtype`` uint8) with per-block scales;
+    ``with_main`` False: moments only (fp32 params, their own mains)."""
     offset = 0
     segments = {}
-    for name in SEGMENTS:
+    for name in SEGMENTS if with_main else MOMENT_SEGMENTS:
         moment = name in MOMENT_SEGMENTS
         shape = Segment(name, moment_dtype if moment else main_dtype, (), (), blockwise=moment and blockwise_moments)
         offsets, lengths = [], []

@@ -196,10 +196,23 @@ def _short(value: Any, limit: int = 200) -> str:
 SHARDING_FIELDS = frozenset({"store", "topology", "layout", "resident_numels"})
 
 
+def _has_fp32_params(description: dict[str, Any]) -> bool:
+    """Whether a store holds fp32 params (their moments resident, or in moments-only buckets)."""
+    layout = description.get("layout") or []
+    return bool(description.get("resident_numels")) or any(b.get("main") is False for b in layout)
+
+
 def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = True) -> list[str]:
     """Every compared field where ``saved`` and ``live`` differ, described; with
     ``sharding`` False, only those a resharded load cannot bridge (formats, optimizer)."""
     found = []
+    # Saves from before the setting existed kept fp32 params' moments resident.
+    kept = saved.get("fp32_param_moments", "resident"), live.get("fp32_param_moments", "resident")
+    if kept[0] != kept[1] and (_has_fp32_params(saved) or _has_fp32_params(live)):
+        found.append(
+            f"the fp32 params' moments were saved {kept[0]}, this run keeps them {kept[1]} (fp32_param_moments, "
+            f"--stream-optimizer-state-fp32-param-moments): load with fp32_param_moments={kept[0]!r}"
+        )
     if "shard_peers" not in (saved.get("topology") or {}):  # saved before topologies named them
         live = {**live, "topology": {k: v for k, v in (live.get("topology") or {}).items() if k != "shard_peers"}}
     for key, label in COMPARED_FIELDS:

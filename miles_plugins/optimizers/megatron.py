@@ -34,8 +34,9 @@ optimizer state:
   state is off the GPU already, except the buckets its GPU budget keeps there,
   which move to pinned host memory and back.
 
-Native-fp32 model params are their own mains (a view of the param buffer); they
-stay resident under a small optimizer of the same class.
+Native-fp32 model params are their own mains (a view of the param buffer); their
+moments stream in buckets of their own, or stay resident beside them under a small
+optimizer of the same class (``fp32_param_moments``).
 
 Reproduced upstream code is marked with its provenance: NVIDIA/Megatron-LM tag
 ``core_v0.19.0`` (commit 5be9626709af2722333bf54797c954c09edeada3), whose

@@ -86,10 +86,12 @@ class Flight:
     converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
 
     def tensors(self, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """(segment name, fp32 tensor) of entry ``k``: its main, then its moments if it has any."""
+        """(segment name, fp32 tensor) of entry ``k``: its main (unless the bucket's
+        mains are fp32 params, which stay in the model), then its moments if it has any."""
         main = self.entries[k].main
         state = self.optimizer.moments(main) if moments else None
-        return [("main", main), *(zip(MOMENT_SEGMENTS, state, strict=True) if state is not None else ())]
+        mains = [("main", main)] if self.bucket.streams_main else []
+        return [*mains, *(zip(MOMENT_SEGMENTS, state, strict=True) if state is not None else ())]
 
 
 class Pipeline:
@@ -153,8 +155,8 @@ class Pipeline:
                 if mains_only:
                     self._make_room(ahead, writing)
                     current = self._open(index, in_place=True)
-                    for entry in current.entries:
-                        self.accounting.materialize(entry.main)
+                    for _, main in (t for k in range(len(current.entries)) for t in current.tensors(k, False)):
+                        self.accounting.materialize(main)
                 else:
                     self._read_ahead(index + self.depth - 1, ahead, writing, stats)
                     current = ahead.popleft()
@@ -304,7 +306,8 @@ class Pipeline:
 
     def _release(self, flight: Flight) -> None:
         for entry in flight.entries:
-            self.accounting.release(entry.main)
+            if flight.bucket.streams_main:  # else the main is an fp32 param, which stays
+                self.accounting.release(entry.main)
             for moment in flight.optimizer.moments(entry.main) or ():
                 self.accounting.release(moment)
         flight.converts.clear()

@@ -36,7 +36,7 @@ from miles_plugins.optimizers import quant8
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.fs import check_plain_dir, open_file, saved_dirs
 from miles_plugins.optimizers.io import BlockCrc, pread_full
-from miles_plugins.optimizers.layout import BucketLayout, layout_bucket
+from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch, differences
 from miles_plugins.optimizers.reshard import Copy, Piece, RemapError, plan
 
@@ -264,9 +264,12 @@ class ReshardedLoad:
         file size by :meth:`_plan`."""
         if not self.p.buckets:
             return None
-        main, moment = self.p.buckets[0].segments["main"], self.p.buckets[0].segments["exp_avg"]
+        with_mains = [b for b in self.p.buckets if b.streams_main]
+        main = with_mains[0].segments["main"].dtype if with_mains else MAIN_DTYPE
+        moment = self.p.buckets[0].segments["exp_avg"]
         numels = bucket["numels"]
-        return layout_bucket(index, range(len(numels)), numels, moment.dtype, main.dtype, moment.blockwise)
+        with_main = bucket.get("main", True)
+        return layout_bucket(index, range(len(numels)), numels, moment.dtype, main, moment.blockwise, with_main)
 
     def bucket_states(self) -> list[dict]:
         """Each live bucket optimizer's saved state, assembled from its pieces' sources."""

@@ -213,29 +213,39 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
     first = peers[0].data
     groups, fp32 = {}, set()
     for peer in peers:
-        for pieces in peer.data["pieces"]:
+        for bucket, pieces in zip(peer.data["layout"], peer.data["pieces"], strict=True):
             groups.update({n: g for n, _, g in pieces})
+            if bucket.get("main") is False:  # a bucket of fp32 params' moments
+                fp32.update(n for n, _, _ in pieces)
         groups.update({n: g for n, _, g in peer.data["resident_pieces"]})
         fp32.update(n for n, _, _ in peer.data["resident_pieces"])
     owned = [_Entry(p, groups[p.key], key) for key, p in megatron_pieces(first["param_layout"], dp, rank)]
-    # The master's groups in order, each in bucket order; bf16 params before fp32 ones (the binding's order).
+    # The master's groups in order, each in bucket order; bf16 params before fp32 ones (the binding's
+    # order); the fp32 params' moments in buckets of their own after the others, as the store lays them out.
     by_group = sorted(owned, key=lambda e: e.group)
-    streamed = [e for e in by_group if e.piece.key not in fp32]
-    resident = [e for e in by_group if e.piece.key in fp32]
-    plan = plan_buckets([e.piece.numel for e in streamed], [e.key for e in streamed], first["bucket_cap_elements"])
+    moments_streamed = first.get("fp32_param_moments", "resident") == "streamed"
+    with_mains = [e for e in by_group if e.piece.key not in fp32]
+    resident = [] if moments_streamed else [e for e in by_group if e.piece.key in fp32]
+    kinds = [(with_mains, True)] + ([([e for e in by_group if e.piece.key in fp32], False)] if moments_streamed else [])
     main = MAIN_DTYPE if first["main_dtype"] == "fp32" else remainder.STORAGE_DTYPE
     moment = first["moment_dtype"]
-    buckets = [
-        layout_bucket(
-            b,
-            members,
-            [streamed[j].piece.numel for j in members],
-            MOMENT_DTYPES[moment],
-            main,
-            moment in BLOCKWISE_MOMENT_DTYPES,
-        )
-        for b, members in enumerate(plan)
-    ]
+    buckets, streamed, plan = [], [], []
+    for kind, with_main in kinds:
+        for members in plan_buckets([e.piece.numel for e in kind], [e.key for e in kind], first["bucket_cap_elements"]):
+            members = [len(streamed) + j for j in members]
+            buckets.append(
+                layout_bucket(
+                    len(buckets),
+                    members,
+                    [kind[j - len(streamed)].piece.numel for j in members],
+                    MOMENT_DTYPES[moment],
+                    main,
+                    moment in BLOCKWISE_MOMENT_DTYPES,
+                    with_main,
+                )
+            )
+            plan.append(members)
+        streamed += kind
     # Data parallelism alone (_check): the world is the DP group, the global rank the DP rank.
     topology = {**first["topology"], "dp_size": dp, "dp_rank": rank}
     if "world_size" in topology:
@@ -246,7 +256,7 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
         **{k: v for k, v in first.items() if k not in _NOT_DESCRIPTION},
         "store": name,
         "topology": topology,
-        "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
+        "layout": [b.description() for b in buckets],
         "resident_numels": [e.piece.numel for e in resident],
         "pieces": [
             [[streamed[j].piece.key, streamed[j].piece.start, streamed[j].group] for j in members] for members in plan

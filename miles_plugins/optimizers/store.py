@@ -96,8 +96,9 @@ class StreamingStore:
 
     Construction validates the directory and free space before writing
     anything (disk tier), then writes every bucket's initial mains and releases
-    them. Entries whose model param is fp32 stay resident under one small
-    optimizer of the same class.
+    them. Entries whose model param is fp32 are their own mains: their moments
+    stream in buckets of their own, last (``fp32_param_moments="streamed"``), or
+    stay resident with them under one small optimizer of the same class.
     """
 
     def __init__(
@@ -134,7 +135,9 @@ class StreamingStore:
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
         self.buckets = _layout(self.entries, streamed, config)
         self._bucket_optimizers = [backend.build(_groups_of(self.entries, b.entry_indices)) for b in self.buckets]
-        self._resident_entries = [i for i, e in enumerate(self.entries) if e.resident]
+        self._resident_entries = [
+            i for i, e in enumerate(self.entries) if e.resident and config.fp32_param_moments == "resident"
+        ]
         self._resident_optimizer = (
             backend.build(_groups_of(self.entries, self._resident_entries)) if self._resident_entries else None
         )
@@ -168,7 +171,10 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
-                drain_before=next((b.index for b in self.buckets if self.homes[b.index] != "disk"), None),
+                # The first bucket updated in place: in host or device memory, or fp32 params.
+                drain_before=next(
+                    (b.index for b in self.buckets if self.homes[b.index] != "disk" or not b.streams_main), None
+                ),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -349,11 +355,14 @@ class StreamingStore:
         if not updated:
             return  # no bucket was updated: nothing changed
         in_place = [f.bucket.index for f, _ in updated if self.homes[f.bucket.index] != "disk"]
-        blocker = self._rollback_blocker or (
-            f"buckets at home in host or device memory are written in place (bucket {in_place[0]} was updated)"
-            if in_place
-            else None
-        )
+        fp32_params = [f.bucket.index for f, _ in updated if not f.bucket.streams_main]
+        blocker = self._rollback_blocker
+        if blocker is None and fp32_params:
+            blocker = f"the fp32-native params are updated in place (bucket {fp32_params[0]} was updated)"
+        if blocker is None and in_place:
+            blocker = (
+                f"buckets at home in host or device memory are written in place (bucket {in_place[0]} was updated)"
+            )
         if blocker is not None:
             self._damaged = f"{failed} after updating {len(updated)} buckets, and {blocker}"
             return
@@ -578,8 +587,10 @@ def _description(
         "main_dtype": "fp32" if config.main_storage == "fp32" else "fp32 as bf16 param + int16 remainder",
         "moment_dtype": config.moment_dtype,
         "moment_format": quant8.FORMAT_ID if config.blockwise_moments else None,
+        "fp32_param_moments": config.fp32_param_moments,
         "topology": dict(topology or {}),
-        "layout": [{"file": b.file_name, "size": b.file_size, "numels": list(b.numels)} for b in buckets],
+        # "main": false marks a bucket of fp32 params' moments (their mains are the params).
+        "layout": [b.description() for b in buckets],
         "resident_numels": [entries[i].main.numel() for i in resident_entries],
         "pieces": [pieces(b.entry_indices) for b in buckets],
         "resident_pieces": pieces(resident_entries),
@@ -607,9 +618,9 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
     """Say so when streaming keeps a lot of state on the device anyway."""
     if resident_numel > config.resident_warn_elements:
         logger.warning(
-            "%d elements of fp32 params (%.2f GB of state) stay resident on the device: their "
-            "main is the model param itself, so it cannot be streamed; keep large params in "
-            "bf16/fp16 with fp32 mains to stream them",
+            "%d elements of fp32 params (%.2f GB of state) stay resident on the device "
+            "(fp32_param_moments='resident'): their main is the model param itself; "
+            "fp32_param_moments='streamed' streams their moments (8 of the 12 bytes)",
             resident_numel,
             resident_numel * MATERIALIZED_BYTES_PER_ELEMENT / 1e9,
         )
@@ -630,17 +641,20 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
 
 def _streamed_entries(entries: Sequence[Entry], config: StreamConfig) -> list[int]:
     """Indices of the entries to stream, after checking each can be."""
-    streamed = [i for i, e in enumerate(entries) if not e.resident]
-    if config.main_storage == "remainder" and entries and not streamed:
+    with_mains = [i for i, e in enumerate(entries) if not e.resident]
+    if config.main_storage == "remainder" and entries and not with_mains:
         raise StreamConfigError(
             "main_storage='remainder' stores the low half of fp32 mains beside bf16 params, and every param "
-            "here is fp32 (its own main, kept resident): nothing to store that way; use main_storage='fp32'"
+            "here is fp32 (its own main, which stays in the model): nothing to store that way; use "
+            "main_storage='fp32'"
         )
+    moments_only = [i for i, e in enumerate(entries) if e.resident and config.fp32_param_moments == "streamed"]
+    streamed = with_mains + moments_only
     for i in streamed:
         main = entries[i].main
         if main.dtype != torch.float32 or not main.is_contiguous():
             raise ValueError(f"entry {i}: a streamed main must be a contiguous fp32 tensor, got {main.dtype}")
-        if config.main_storage == "remainder" and entries[i].param.dtype != torch.bfloat16:
+        if config.main_storage == "remainder" and i in with_mains and entries[i].param.dtype != torch.bfloat16:
             raise StreamConfigError(
                 f"remainder mains need bf16 params (the main's high half), entry {i} is "
                 f"{entries[i].param.dtype}; use main_storage='fp32'"
@@ -649,23 +663,29 @@ def _streamed_entries(entries: Sequence[Entry], config: StreamConfig) -> list[in
 
 
 def _layout(entries: Sequence[Entry], streamed: Sequence[int], config: StreamConfig) -> list[BucketLayout]:
-    plan = plan_buckets(
-        [entries[i].main.numel() for i in streamed],
-        [entries[i].bucket_key for i in streamed],
-        config.bucket_cap_elements,
-    )
+    """The buckets of the streamed entries: those with mains to stream first, then the
+    fp32 params' moments in buckets of their own (last in the walk: they update the
+    params in place, so a failure before them still rolls back)."""
     main_dtype = remainder.STORAGE_DTYPE if config.main_storage == "remainder" else MAIN_DTYPE
-    return [
-        layout_bucket(
-            b,
-            [streamed[j] for j in members],
-            [entries[streamed[j]].main.numel() for j in members],
-            config.moment_torch_dtype,
-            main_dtype,
-            blockwise_moments=config.blockwise_moments,
+    buckets: list[BucketLayout] = []
+    for with_main in (True, False):
+        kind = [i for i in streamed if entries[i].resident != with_main]
+        plan = plan_buckets(
+            [entries[i].main.numel() for i in kind], [entries[i].bucket_key for i in kind], config.bucket_cap_elements
         )
-        for b, members in enumerate(plan)
-    ]
+        buckets += [
+            layout_bucket(
+                len(buckets) + b,
+                [kind[j] for j in members],
+                [entries[kind[j]].main.numel() for j in members],
+                config.moment_torch_dtype,
+                main_dtype,
+                blockwise_moments=config.blockwise_moments,
+                with_main=with_main,
+            )
+            for b, members in enumerate(plan)
+        ]
+    return buckets
 
 
 def _open_backing_and_engine(

@@ -41,7 +41,8 @@ class StreamedOptimizer:
     For bf16/fp16 params, ``StreamedOptimizer`` keeps fp32 mains (in the
     files) and copies the updated mains into the params after each update: the
     usual mixed-precision recipe, bit for bit. fp32 params are their own
-    mains; their state stays resident, updated by the same optimizer class.
+    mains, which stay in the model; their moments stream too, in buckets of
+    their own (``StreamConfig.fp32_param_moments``).
 
     The wrapped optimizer is the *master*: its own update never runs and it
     holds no state, but its param groups are read at every step, so schedulers

@@ -185,6 +185,7 @@ def test_on_miles_parser_only_missing_flags_are_added_and_miles_definitions_stay
         "stream_optimizer_state_host_budget_gb",
         "stream_optimizer_state_engine",
         "stream_optimizer_state_main_storage",
+        "stream_optimizer_state_fp32_param_moments",
         "stream_optimizer_state_buckets_in_flight",
         "stream_optimizer_state_io_threads",
         "stream_optimizer_state_bucket_cap",

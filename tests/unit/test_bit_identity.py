@@ -66,9 +66,12 @@ def test_every_tier_engine_and_main_storage_is_byte_identical_to_resident(tmp_pa
     )
     assert_same_training((ref_params, ref_state), (params, state))
     main_bytes = {"fp32": 4, "remainder": 2}[main_storage]
-    elements = sum(b.numel for b in streamed.store.buckets)
+    elements = sum(b.numel for b in streamed.store.buckets if b.streams_main)
+    fp32_param_elements = sum(b.numel for b in streamed.store.buckets if not b.streams_main)  # moments only
+    assert fp32_param_elements == 16  # the Net's fp32 scale: its moments stream too
     first_step_reads = main_bytes * elements  # mains only: the moments do not exist yet
-    assert streamed.store.total.bytes_read == first_step_reads + (STEPS - 1) * (main_bytes + 8) * elements
+    later_reads = (main_bytes + 8) * elements + 8 * fp32_param_elements
+    assert streamed.store.total.bytes_read == first_step_reads + (STEPS - 1) * later_reads
     streamed.close()
 
 

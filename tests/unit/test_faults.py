@@ -373,17 +373,24 @@ def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report
     )
 
 
-def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp32_param_moments", ["streamed", "resident"])
+def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch, fp32_param_moments):
     """fp32-native params are updated in place, last: a failure there cannot be
     rolled back, and the store must not claim it was."""
     from miles_plugins.optimizers.adam import BucketOptimizer
 
-    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
-    resident = streamed.store._resident_optimizer
-    assert resident is not None, "the reference model has an fp32 param"
+    config = {"fp32_param_moments": fp32_param_moments}
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
+    store = streamed.store
+    if fp32_param_moments == "resident":
+        fp32_update = store._resident_optimizer
+    else:  # the bucket of the fp32 param's moments, last in the walk
+        assert not store.buckets[-1].streams_main and all(b.streams_main for b in store.buckets[:-1])
+        fp32_update = store._bucket_optimizers[-1]
+    assert fp32_update is not None, "the reference model has an fp32 param"
 
     def failing_step(self):
-        if self is resident:
+        if self is fp32_update:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated inside the fp32-native update)")
         return real_step(self)
 
@@ -392,7 +399,7 @@ def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_p
     with pytest.raises(torch.OutOfMemoryError):
         optimizer.step()
     monkeypatch.undo()
-    with pytest.raises(StoreUnusableError, match="while updating the fp32-native params"):
+    with pytest.raises(StoreUnusableError, match="fp32-native params(, which)? are updated in place"):
         optimizer.step()
     streamed.close()
 

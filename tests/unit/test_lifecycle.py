@@ -116,11 +116,12 @@ def test_refresh_rebuilds_mains_from_model_params(tmp_path):
     streamed.close()
 
 
-def test_fp32_params_stay_resident_and_warn_when_large(tmp_path, caplog):
+def test_fp32_params_kept_resident_warn_when_large(tmp_path, caplog):
     big = torch.nn.Linear(64, 64)  # fp32: its main is the param itself
     optimizer = torch.optim.AdamW(big.parameters())
+    config = StreamConfig(directory=str(tmp_path), resident_warn_elements=1000, fp32_param_moments="resident")
     with caplog.at_level(logging.WARNING):
-        streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path), resident_warn_elements=1000))
+        streamed = StreamedOptimizer(optimizer, config)
     assert streamed.store.buckets == []
     assert "stay resident" in caplog.text
     before = big.weight.detach().clone()

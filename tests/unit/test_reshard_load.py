@@ -19,7 +19,7 @@ from tests.unit.reference import same_bytes
 from tests.unit.test_reshard import megatron_param_layout, megatron_shards
 
 # Names, sizes and master groups (decay, no decay, frozen); "norm" is an fp32 param
-# (resident); "tied" holds mains halfway between two bf16 values, which remainder
+# (its moments streamed, or resident: fp32-moments-resident); "tied" holds mains halfway between two bf16 values, which remainder
 # mains keep as exceptions, and its group's lr of 0 keeps them so.
 PARAMS = {
     "emb": (6000, 0),
@@ -146,7 +146,8 @@ def _saved(tmp_path, dp: int, config: dict | None = None, steps: int = 1, iterat
 
 
 CONFIGS = {
-    "disk-fp32": dict(),
+    "disk-fp32": dict(),  # the fp32 "norm" param's moments stream (in a bucket of their own)
+    "fp32-moments-resident": dict(fp32_param_moments="resident"),
     "disk-remainder": dict(main_storage="remainder"),
     "host-pipelined": dict(tier="host"),
     "disk-sync": dict(engine="sync"),
@@ -242,7 +243,9 @@ def test_8bit_moments_reshard_by_quantizing_the_saved_values_in_the_new_blocks(t
             assert same_bytes(main, saved[e.name][1][cut]), e.name  # mains stay exact
             moments = zip((exp_avg, exp_avg_sq), ("exp_avg", "exp_avg_sq"), saved[e.name][2:], strict=True)
             for moment, name, full in moments:
-                stored = full[cut] if e.name in FP32 else _roundtrip(full[cut], name)  # resident: fp32 moments
+                # The fp32 "norm" is whole in one rank at both sizes: its blocks line up and
+                # requantizing its decoded values gives them back exactly.
+                stored = full[cut] if e.name in FP32 else _roundtrip(full[cut], name)
                 assert same_bytes(moment, stored), (e.name, name)
         rank.step(2)  # and it trains on
         rank.store.close()
@@ -321,7 +324,7 @@ def test_other_tp_sizes_are_refused_naming_them(tmp_path):
         rank.store.close()
 
 
-@pytest.mark.parametrize("config", ["disk-fp32", "disk-remainder"])
+@pytest.mark.parametrize("config", ["disk-fp32", "disk-remainder", "fp32-moments-resident"])
 def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch, capsys):
     """Offline, through the same reads and plan; the new ranks then load without resharding."""
     from miles_plugins.optimizers import ckpt, persistence
