@@ -75,12 +75,9 @@ def run(steps: int, directory: str) -> dict:
 
 def plot(path: str) -> str:
     """Draw the loss curves of ``path`` (this module's JSON) into a PNG beside it."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plotting import pyplot
+
+    plt = pyplot()
 
     with open(path) as f:
         result = json.load(f)

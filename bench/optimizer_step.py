@@ -506,12 +506,9 @@ def _table(regimes: dict) -> str:
 def plot(path: str) -> str:
     """Step time against the fraction of the state in host memory, per regime: the
     placed points and Megatron's partial offload. Returns the PNG's path."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plotting import pyplot
+
+    plt = pyplot()
 
     with open(path) as f:
         report = json.load(f)

@@ -546,24 +546,19 @@ class PipelinedEngine:
             op(offset, tensor, local.staging)
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
-        chunks = _chunks(transfers, self.chunk_bytes)
-        if handle.on_caller_stream:
-            for offset, dst in chunks:
-                handle.read(offset, dst, None)
-            return Ticket()
-        pool = self._readers[handle.io_queue]
-        futures = [pool.submit(self._run, handle.read, o, t, ready) for o, t in chunks]
-        return Ticket(futures, handle.read_path, self.timeout_s)
+        return self._submit(self._readers, handle.read, handle, handle.read_path, transfers, ready)
 
     def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        return self._submit(self._writers, handle.write, handle, handle.write_path, transfers, ready)
+
+    def _submit(self, pools, op, handle, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
         chunks = _chunks(transfers, self.chunk_bytes)
         if handle.on_caller_stream:
-            for offset, src in chunks:
-                handle.write(offset, src, None)
+            for offset, tensor in chunks:
+                op(offset, tensor, None)
             return Ticket()
-        pool = self._writers[handle.io_queue]
-        futures = [pool.submit(self._run, handle.write, o, t, ready) for o, t in chunks]
-        return Ticket(futures, handle.write_path, self.timeout_s)
+        pool = pools[handle.io_queue]
+        return Ticket([pool.submit(self._run, op, o, t, ready) for o, t in chunks], path, self.timeout_s)
 
     def idle_buffer(self) -> HostMemory:
         """A staging chunk the caller may use while no transfer is in flight."""

@@ -111,19 +111,23 @@ def test_with_every_bucket_in_memory_the_scratch_is_still_locked_and_purged(tmp_
     assert os.listdir(tmp_path) == []
 
 
-MIXED = "mixed"
-ONE_HOME = {"disk": {"bucket_cap_elements": CAP}, "host": {"bucket_cap_elements": CAP, "tier": "host"}}
-PLACEMENTS = [(MIXED, "disk"), (MIXED, "host"), ("disk", MIXED), ("host", MIXED)]
+def _placement(name: str, tmp_path) -> dict:
+    """Settings of a named placement of the test model's buckets."""
+    if name == "mixed":
+        return _all_three_homes()
+    if name == "two-dirs":
+        return {"bucket_cap_elements": CAP, "directory": f"{tmp_path / 'nvme0'},{tmp_path / 'nvme1'}"}
+    return {"bucket_cap_elements": CAP, "tier": name}
 
 
-@pytest.mark.parametrize(
-    "saving, loading", PLACEMENTS, ids=["mixed-to-disk", "mixed-to-host", "disk-to-mixed", "host-to-mixed"]
-)
+PLACEMENTS = [("mixed", "disk"), ("mixed", "host"), ("disk", "mixed"), ("host", "mixed"), ("two-dirs", "disk")]
+
+
+@pytest.mark.parametrize("saving, loading", PLACEMENTS, ids=[f"{s}-to-{lo}" for s, lo in PLACEMENTS])
 def test_a_checkpoint_resumes_byte_identical_under_another_placement(tmp_path, saving, loading):
-    mixed = _all_three_homes()
     ckpt = tmp_path / "ckpt"
-    save_run(tmp_path, ckpt, **(mixed if saving == MIXED else ONE_HOME[saving]))[3].close()
-    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, **(mixed if loading == MIXED else ONE_HOME[loading]))
+    save_run(tmp_path, ckpt, **_placement(saving, tmp_path))[3].close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, **_placement(loading, tmp_path))
     assert streamed.load_from(str(ckpt))
     train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
@@ -209,17 +213,6 @@ def test_buckets_spread_over_several_directories_are_byte_identical_to_resident(
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), (params, state))
     streamed.close()
     assert all(os.listdir(d) == [] for d in directories), "close removes every directory's scratch"
-
-
-def test_a_checkpoint_from_two_directories_resumes_from_one(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    two = ",".join(str(tmp_path / d) for d in ("nvme0", "nvme1"))
-    save_run(tmp_path, ckpt, bucket_cap_elements=CAP, directory=two)[3].close()
-    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, bucket_cap_elements=CAP)
-    assert streamed.load_from(str(ckpt))
-    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
-    streamed.close()
 
 
 @pytest.mark.parametrize(
