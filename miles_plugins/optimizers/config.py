@@ -144,8 +144,9 @@ class StreamConfig:
             (their own mains, which stay in the model): ``"streamed"`` (in
             buckets of their own, last in the walk; updated in place, so a step
             that fails after updating one cannot be rolled back) or
-            ``"resident"`` (with the params, under one small optimizer). A
-            checkpoint loads only under the setting it was saved with.
+            ``"resident"`` (with the params, under one small optimizer, in
+            fp32 whatever ``moment_dtype``). A checkpoint loads only under the
+            setting it was saved with (saves from before it: ``"resident"``).
         resident_warn_elements: warn when fp32-native params with resident
             moments exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable

@@ -18,8 +18,8 @@ class Entry:
     """One param's share of the optimizer state.
 
     ``main`` is the fp32 main the optimizer updates. For a param whose model dtype
-    is fp32, ``main`` is the param itself (or a view of it): such entries stay
-    resident. ``group_index`` names the master param group; ``bucket_key`` keeps
+    is fp32, ``main`` is the param itself (or a view of it): such entries stream
+    their moments only, or stay resident (``StreamConfig.fp32_param_moments``). ``group_index`` names the master param group; ``bucket_key`` keeps
     entries of different keys (e.g. DDP buckets) in different streaming buckets.
     ``name`` and ``start`` say which elements of which param the entry holds
     (``main`` is elements ``[start, start + numel)`` of the param named ``name``):

@@ -353,7 +353,8 @@ class MegatronBinding:
         return model_param_buffer.view(-1)[world_range.start : world_range.end]
 
     def _copy_main_to_param_buffer(self, entry: MegatronEntry) -> None:
-        self._param_buffer_shard(entry.model_param, entry.main.numel()).copy_(entry.main)
+        if not entry.resident:  # an fp32 param's main is its shard of the buffer already
+            self._param_buffer_shard(entry.model_param, entry.main.numel()).copy_(entry.main)
 
     # ---- bindings --------------------------------------------------------------
 

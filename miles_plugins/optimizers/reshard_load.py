@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers import quant8
+from miles_plugins.optimizers import quant8, remainder
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.fs import check_plain_dir, open_file, saved_dirs
 from miles_plugins.optimizers.io import BlockCrc, pread_full
@@ -212,7 +212,7 @@ class ReshardedLoad:
         for s, peer in enumerate(self.peers):
             data = peer.data
             problems += peer.manifest.file_problems(peer.directory).values()
-            layouts = [self._source_layout(b, bucket) for b, bucket in enumerate(data["layout"])]
+            layouts = [self._source_layout(b, bucket, data["main_dtype"]) for b, bucket in enumerate(data["layout"])]
             problems += [
                 f"{peer.directory}: {bucket['file']} is laid out for {bucket['size']} bytes, this version lays "
                 f"it out in {layout.file_size} (written by a version with another file layout)"
@@ -258,14 +258,13 @@ class ReshardedLoad:
         names = [os.path.basename(p.directory) for p in self.peers]
         return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
 
-    def _source_layout(self, index: int, bucket: dict) -> BucketLayout | None:
-        """A saved bucket's file layout, from its entry sizes in the live storage formats
-        (equal to the saved ones: :func:`can_reshard_from`); checked against the saved
-        file size by :meth:`_plan`."""
+    def _source_layout(self, index: int, bucket: dict, main_dtype: str) -> BucketLayout | None:
+        """A saved bucket's file layout, from its entry sizes and the saved main storage
+        (the moments' format equals the live one: :func:`can_reshard_from`); checked
+        against the saved file size by :meth:`_plan`."""
         if not self.p.buckets:
             return None
-        with_mains = [b for b in self.p.buckets if b.streams_main]
-        main = with_mains[0].segments["main"].dtype if with_mains else MAIN_DTYPE
+        main = MAIN_DTYPE if main_dtype == "fp32" else remainder.STORAGE_DTYPE
         moment = self.p.buckets[0].segments["exp_avg"]
         numels = bucket["numels"]
         with_main = bucket.get("main", True)

@@ -278,8 +278,9 @@ class StreamingStore:
         may save a checkpoint or run the whole optimizer step again, losing
         nothing but the step in progress. Where that cannot be done (it had
         updated a bucket at home in host or device memory, which is written in
-        place: those come last in the walk; remainder mains need the params the
-        step overwrote; transfers hung) the store refuses to step again.
+        place, or a bucket of fp32 params, updated in place: those come last in
+        the walk; remainder mains need the params the step overwrote; transfers
+        hung) the store refuses to step again.
         """
         self._check_open()
         while self._step_checks:
@@ -332,7 +333,8 @@ class StreamingStore:
             for moment in optimizer.moments(entry.main) or ():
                 self._pipeline.accounting.adopt(moment)
         for entry in flight.entries:
-            entry.main.grad = None  # the fp32 grad is not state; drop it now
+            if flight.bucket.streams_main:
+                entry.main.grad = None  # the fp32 grad is not state; drop it now (an fp32 param's is the model's)
             self._copy_to_model(entry)
 
     @property

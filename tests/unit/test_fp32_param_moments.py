@@ -111,3 +111,14 @@ def test_a_bad_setting_is_refused(tmp_path):
 
     with pytest.raises(StreamConfigError, match="unknown fp32 param moments 'offloaded'; choose one of streamed"):
         StreamConfig(directory=str(tmp_path), fp32_param_moments="offloaded")
+
+
+def test_a_step_leaves_the_fp32_params_grads_to_the_caller(tmp_path):
+    """Plain AdamW leaves grads as they are until zero_grad; so does the streamed step
+    for fp32 params, whose main (and so whose grad) is the model's param."""
+    model, optimizer, streamed = _streamed(tmp_path)
+    model(torch.randn(4, 64)).square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    optimizer.step()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    streamed.close()
