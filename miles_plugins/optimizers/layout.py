@@ -119,6 +119,38 @@ class BucketLayout:
         return self.numel * MAIN_DTYPE.itemsize * len(self.segments)
 
 
+def layout_store(
+    entries: Sequence[tuple[int, int, Hashable, bool]],
+    cap_elements: int,
+    moment_dtype: torch.dtype,
+    main_dtype: torch.dtype,
+    blockwise_moments: bool,
+) -> list[BucketLayout]:
+    """A store's buckets. ``entries``: (id, elements, bucket key, is its own main) of
+    each streamed entry, ids recorded as the buckets' ``entry_indices``. Entries with
+    mains to stream come first, then those that are their own mains (fp32 params:
+    moments only) in buckets of their own, last in the walk: they update their params
+    in place, so a failure before them still rolls back. Each kind is cut by
+    :func:`plan_buckets`."""
+    buckets: list[BucketLayout] = []
+    for with_main in (True, False):
+        kind = [e for e in entries if e[3] != with_main]
+        plan = plan_buckets([numel for _, numel, _, _ in kind], [key for _, _, key, _ in kind], cap_elements)
+        buckets += [
+            layout_bucket(
+                len(buckets) + b,
+                [kind[j][0] for j in members],
+                [kind[j][1] for j in members],
+                moment_dtype,
+                main_dtype,
+                blockwise_moments,
+                with_main,
+            )
+            for b, members in enumerate(plan)
+        ]
+    return buckets
+
+
 def layout_bucket(
     index: int,
     entry_indices: Sequence[int],

@@ -589,7 +589,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 host_budget_bytes=budgets["host"],
             )
             bindings.append(MegatronBinding(member, member_config))
-            budgets = bindings[-1].store.budgets_left
+            budgets = bindings[-1].store.placed.budgets_left
     except BaseException:
         for binding in bindings:
             binding.store.close()

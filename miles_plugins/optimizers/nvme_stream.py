@@ -82,7 +82,7 @@ def stream_optimizer_state(optimizer: Any, config: StreamConfig) -> list[Megatro
         logger.warning("optimizer-state streaming is on but the optimizer chain holds no params on this rank")
     for binding in bindings:
         store = binding.store
-        kept = sum(b.materialized_bytes for b in store.buckets if store.homes[b.index] == "gpu")
+        kept = sum(b.materialized_bytes for b in store.buckets if store.placed.homes[b.index] == "gpu")
         logger.info(
             "optimizer-state streaming on for %s: %d buckets, %.2f GB of state off the GPU%s, under %s",
             store.config.name,

@@ -24,11 +24,20 @@ backing and its own I/O threads in the engine (``io_queue``).
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from collections.abc import Callable, Hashable, Sequence
 
-from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.io import BlockCrc, HostMemory
+import torch
+
+from miles_plugins.optimizers.config import HOMES, StreamConfig
+from miles_plugins.optimizers.fs import nearest_existing
+from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
+from miles_plugins.optimizers.scratch import ScratchDir
+
+logger = logging.getLogger(__name__)
 
 
 def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> tuple[list[str], dict[str, int]]:
@@ -70,6 +79,78 @@ def spread_over_directories(buckets: Sequence[BucketLayout], homes: Sequence[str
         where[bucket.index] = i
         turn = i + 1
     return where
+
+
+class Placement:
+    """Where one store's buckets live between steps: each bucket's home
+    (:func:`assign_homes`, with what is left of each budget), a disk bucket's
+    state directory (:func:`spread_over_directories`), and each directory's
+    scratch. On the disk tier every directory gets a scratch, used or not: its
+    lock keeps another process of the name out, and what a killed run left there
+    is purged. Each scratch checks its free space before anything is written; a
+    failure part way removes those made. :meth:`remove` removes them all."""
+
+    def __init__(self, buckets: Sequence[BucketLayout], config: StreamConfig) -> None:
+        self.buckets = list(buckets)
+        self.homes, self.budgets_left = assign_homes(buckets, config)
+        directories = config.directories if config.tier == "disk" else ()
+        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories]
+        self.directory_of = spread_over_directories(buckets, self.homes, free)
+        self.scratches: list[ScratchDir] = []  # one per directory, by index
+        try:
+            for i, directory in enumerate(directories):
+                mine = [b for b in buckets if self.directory_of[b.index] == i]
+                self.scratches.append(ScratchDir(directory, config.name, FileBacking.bytes_needed(mine)))
+        except BaseException:
+            self.remove()
+            raise
+        _warn_about_shared_filesystems([scratch.directory for scratch in self.scratches])
+
+    def keys(self) -> list[Hashable]:
+        """Each bucket's place, as :class:`PlacedBacking` keys it."""
+        return [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
+
+    def counts(self) -> dict[str, int]:
+        """Buckets per home (``gpu``, ``host``, ``disk``)."""
+        return {home: self.homes.count(home) for home in HOMES}
+
+    def home_bytes(self) -> dict[str, int]:
+        """Stored bytes per home: what the ``gpu`` home holds in device memory between
+        steps, the ``host`` home in pinned host memory (the disk home: one slot)."""
+        held = dict.fromkeys(HOMES, 0)
+        for bucket in self.buckets:
+            held[self.homes[bucket.index]] += bucket.file_size
+        return held
+
+    def location(self, device: torch.device) -> str:
+        """Where the state lives: the scratch directories, host memory, device memory
+        (those in use, with their bucket counts when more than one)."""
+        places = {"gpu": f"{device.type} memory", "host": "pinned host memory"}
+        where = {places[home]: n for home, n in self.counts().items() if n and home != "disk"}
+        for i, scratch in enumerate(self.scratches):
+            if n := self.directory_of.count(i):
+                where[scratch.path] = n
+        if len(where) <= 1:
+            return next(iter(where), self.scratches[0].path if self.scratches else places["host"])
+        return ", ".join(f"{place} ({n} buckets)" for place, n in where.items())
+
+    def remove(self) -> None:
+        for scratch in self.scratches:
+            scratch.remove()
+
+
+def _warn_about_shared_filesystems(directories: list[str]) -> None:
+    """Directories on one filesystem share its drive: spreading over them gains nothing."""
+    by_device: dict[int, list[str]] = {}
+    for directory in directories:
+        by_device.setdefault(os.stat(directory).st_dev, []).append(directory)
+    for same in by_device.values():
+        if len(same) > 1:
+            logger.warning(
+                "state directories %s are on one filesystem: spreading buckets over them gains no bandwidth; "
+                "give one directory per drive",
+                ", ".join(same),
+            )
 
 
 class PlacedBacking:

@@ -43,7 +43,7 @@ from miles_plugins.optimizers.fs import (
     remove_private_dir,
 )
 from miles_plugins.optimizers.io import file_crcs, pwrite_full
-from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket, plan_buckets
+from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_store
 from miles_plugins.optimizers.manifest import CHECKSUM_KEY, CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, differences
 from miles_plugins.optimizers.reshard import Piece
 from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
@@ -224,28 +224,15 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
     # order); the fp32 params' moments in buckets of their own after the others, as the store lays them out.
     by_group = sorted(owned, key=lambda e: e.group)
     moments_streamed = first.get("fp32_param_moments", "resident") == "streamed"
-    with_mains = [e for e in by_group if e.piece.key not in fp32]
     resident = [] if moments_streamed else [e for e in by_group if e.piece.key in fp32]
-    kinds = [(with_mains, True)] + ([([e for e in by_group if e.piece.key in fp32], False)] if moments_streamed else [])
-    main = MAIN_DTYPE if first["main_dtype"] == "fp32" else remainder.STORAGE_DTYPE
-    moment = first["moment_dtype"]
-    buckets, streamed, plan = [], [], []
-    for kind, with_main in kinds:
-        for members in plan_buckets([e.piece.numel for e in kind], [e.key for e in kind], first["bucket_cap_elements"]):
-            members = [len(streamed) + j for j in members]
-            buckets.append(
-                layout_bucket(
-                    len(buckets),
-                    members,
-                    [kind[j - len(streamed)].piece.numel for j in members],
-                    MOMENT_DTYPES[moment],
-                    main,
-                    moment in BLOCKWISE_MOMENT_DTYPES,
-                    with_main,
-                )
-            )
-            plan.append(members)
-        streamed += kind
+    streamed = [e for e in by_group if moments_streamed or e.piece.key not in fp32]
+    buckets = layout_store(
+        [(j, e.piece.numel, e.key, e.piece.key in fp32) for j, e in enumerate(streamed)],
+        first["bucket_cap_elements"],
+        MOMENT_DTYPES[first["moment_dtype"]],
+        MAIN_DTYPE if first["main_dtype"] == "fp32" else remainder.STORAGE_DTYPE,
+        first["moment_dtype"] in BLOCKWISE_MOMENT_DTYPES,
+    )
     # Data parallelism alone (_check): the world is the DP group, the global rank the DP rank.
     topology = {**first["topology"], "dp_size": dp, "dp_rank": rank}
     if "world_size" in topology:
@@ -259,7 +246,8 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
         "layout": [b.description() for b in buckets],
         "resident_numels": [e.piece.numel for e in resident],
         "pieces": [
-            [[streamed[j].piece.key, streamed[j].piece.start, streamed[j].group] for j in members] for members in plan
+            [[streamed[j].piece.key, streamed[j].piece.start, streamed[j].group] for j in b.entry_indices]
+            for b in buckets
         ],
         "resident_pieces": [[e.piece.key, e.piece.start, e.group] for e in resident],
     }

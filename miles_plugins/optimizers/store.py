@@ -19,8 +19,6 @@ checkpoints (``persistence.py``), files and directories (``fs.py``,
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -29,23 +27,20 @@ import torch
 from miles_plugins.optimizers import quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, HOMES, MIN_STAGING_CHUNK_MB, StreamConfig
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
-from miles_plugins.optimizers.fs import nearest_existing
 from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.layout import (
     MAIN_DTYPE,
     MATERIALIZED_BYTES_PER_ELEMENT,
     BucketLayout,
-    layout_bucket,
-    plan_buckets,
+    layout_store,
 )
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import PlacedBacking, assign_homes, spread_over_directories
-from miles_plugins.optimizers.scratch import ScratchDir
+from miles_plugins.optimizers.placement import PlacedBacking, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +118,7 @@ class StreamingStore:
         # Set when a step or a load failed in a way that left no consistent state.
         self._damaged: str | None = None
         self._closed = False
-        self.scratches: list[ScratchDir] = []
-        self._engine = self._backing = self._pipeline = None
+        self.placed = self._engine = self._backing = self._pipeline = None
         self.last_step = StepStats()
         self.total = StepStats()
         self.steps_taken = 0
@@ -143,23 +137,11 @@ class StreamingStore:
         )
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
-        # Each bucket's home, and a disk bucket's directory (placement.py). Each directory
-        # used gets a scratch, which checks its free space before anything is written.
-        self.homes, self.budgets_left = assign_homes(self.buckets, config)
-        # On the disk tier every directory gets a scratch, used or not: its lock keeps
-        # another process of this name out, and a killed run's files there are purged.
-        directories = config.directories if config.tier == "disk" else ()
-        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories]
-        self.directory_of = spread_over_directories(self.buckets, self.homes, free)
+        # Each bucket's home and a disk bucket's directory, with the directories' scratches:
+        # their free space is checked before anything is written.
+        self.placed = Placement(self.buckets, config)
         try:
-            scratch_of: dict[int, ScratchDir] = {}
-            for i, directory in enumerate(directories):
-                mine = [b for b in self.buckets if self.directory_of[b.index] == i]
-                scratch_of[i] = ScratchDir(directory, config.name, FileBacking.bytes_needed(mine))
-                self.scratches.append(scratch_of[i])
-            _warn_about_shared_filesystems([s.directory for s in self.scratches])
-            keys = [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
-            self._backing, self._engine = _open_backing_and_engine(config, self.buckets, keys, scratch_of, self._device)
+            self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.placed, self._device)
             codec = Codec(self.buckets)
             self._pipeline = Pipeline(
                 self.entries,
@@ -171,10 +153,7 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
-                # The first bucket updated in place: in host or device memory, or fp32 params.
-                drain_before=next(
-                    (b.index for b in self.buckets if self.homes[b.index] != "disk" or not b.streams_main), None
-                ),
+                drain_before=next((b.index for b in self.buckets if self._written_in_place(b)), None),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -202,31 +181,18 @@ class StreamingStore:
 
     @property
     def location(self) -> str:
-        """Where the state lives: the scratch directories, host memory, device memory
-        (those in use, with their bucket counts when more than one)."""
-        places = {"gpu": f"{self._device.type} memory", "host": "pinned host memory"}
-        counts = {home: n for home, n in self.placement.items() if n and home != "disk"}
-        where = {places[home]: n for home, n in counts.items()}
-        for i, scratch in enumerate(self.scratches):
-            if n := sum(1 for d in self.directory_of if d == i):
-                where[scratch.path] = n
-        if len(where) <= 1:
-            return next(iter(where), self.scratches[0].path if self.scratches else places["host"])
-        return ", ".join(f"{place} ({n} buckets)" for place, n in where.items())
+        """Where the state lives (``Placement.location``)."""
+        return self.placed.location(self._device)
 
     @property
     def placement(self) -> dict[str, int]:
         """Buckets per home (``gpu``, ``host``, ``disk``)."""
-        return {home: self.homes.count(home) for home in HOMES}
+        return self.placed.counts()
 
     @property
     def home_bytes(self) -> dict[str, int]:
-        """Stored bytes per home: what the ``gpu`` home holds in device memory between
-        steps, the ``host`` home in pinned host memory (the disk home: one slot)."""
-        held = dict.fromkeys(HOMES, 0)
-        for bucket in self.buckets:
-            held[self.homes[bucket.index]] += bucket.file_size
-        return held
+        """Stored bytes per home (``Placement.home_bytes``)."""
+        return self.placed.home_bytes()
 
     @property
     def state_bytes_total(self) -> int:
@@ -340,9 +306,18 @@ class StreamingStore:
     @property
     def _rollback_blocker(self) -> str | None:
         """Why no failed step can be rolled back, or None when one that updated only
-        disk buckets can (see :meth:`_roll_back`)."""
+        buckets not :meth:`_written_in_place` can (see :meth:`_roll_back`)."""
         if self.config.main_storage == "remainder":
             return "remainder mains need the params the step overwrote"
+        return None
+
+    def _written_in_place(self, bucket: BucketLayout) -> str | None:
+        """Why an update of ``bucket`` cannot be undone, or None (its mains stream to disk,
+        where a step writes the spare slot). Such buckets come last in the walk."""
+        if not bucket.streams_main:
+            return "the fp32-native params are updated in place"
+        if self.placed.homes[bucket.index] != "disk":
+            return "buckets at home in host or device memory are written in place"
         return None
 
     def _roll_back(self, updated: list[tuple[Flight, object]], exc: BaseException, resident_started: bool) -> None:
@@ -356,15 +331,14 @@ class StreamingStore:
             return
         if not updated:
             return  # no bucket was updated: nothing changed
-        in_place = [f.bucket.index for f, _ in updated if self.homes[f.bucket.index] != "disk"]
-        fp32_params = [f.bucket.index for f, _ in updated if not f.bucket.streams_main]
-        blocker = self._rollback_blocker
-        if blocker is None and fp32_params:
-            blocker = f"the fp32-native params are updated in place (bucket {fp32_params[0]} was updated)"
-        if blocker is None and in_place:
-            blocker = (
-                f"buckets at home in host or device memory are written in place (bucket {in_place[0]} was updated)"
-            )
+        blocker = self._rollback_blocker or next(
+            (
+                f"{why} (bucket {f.bucket.index} was updated)"
+                for f, _ in updated
+                if (why := self._written_in_place(f.bucket))
+            ),
+            None,
+        )
         if blocker is not None:
             self._damaged = f"{failed} after updating {len(updated)} buckets, and {blocker}"
             return
@@ -463,8 +437,8 @@ class StreamingStore:
         if self._backing is not None:
             self._backing.release()
         self._backing = None
-        for scratch in self.scratches:
-            scratch.remove()
+        if self.placed is not None:
+            self.placed.remove()
 
     def _settle(self) -> None:
         """Before touching the stored state outside a step: forget prefetched reads
@@ -602,20 +576,6 @@ def _description(
     }
 
 
-def _warn_about_shared_filesystems(directories: list[str]) -> None:
-    """Directories on one filesystem share its drive: spreading over them gains nothing."""
-    by_device: dict[int, list[str]] = {}
-    for directory in directories:
-        by_device.setdefault(os.stat(directory).st_dev, []).append(directory)
-    for same in by_device.values():
-        if len(same) > 1:
-            logger.warning(
-                "state directories %s are on one filesystem: spreading buckets over them gains no bandwidth; "
-                "give one directory per drive",
-                ", ".join(same),
-            )
-
-
 def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout], resident_numel: int) -> None:
     """Say so when streaming keeps a lot of state on the device anyway."""
     if resident_numel > config.resident_warn_elements:
@@ -665,34 +625,16 @@ def _streamed_entries(entries: Sequence[Entry], config: StreamConfig) -> list[in
 
 
 def _layout(entries: Sequence[Entry], streamed: Sequence[int], config: StreamConfig) -> list[BucketLayout]:
-    """The buckets of the streamed entries: those with mains to stream first, then the
-    fp32 params' moments in buckets of their own (last in the walk: they update the
-    params in place, so a failure before them still rolls back)."""
-    main_dtype = remainder.STORAGE_DTYPE if config.main_storage == "remainder" else MAIN_DTYPE
-    buckets: list[BucketLayout] = []
-    for with_main in (True, False):
-        kind = [i for i in streamed if entries[i].resident != with_main]
-        plan = plan_buckets(
-            [entries[i].main.numel() for i in kind], [entries[i].bucket_key for i in kind], config.bucket_cap_elements
-        )
-        buckets += [
-            layout_bucket(
-                len(buckets) + b,
-                [kind[j] for j in members],
-                [entries[kind[j]].main.numel() for j in members],
-                config.moment_torch_dtype,
-                main_dtype,
-                blockwise_moments=config.blockwise_moments,
-                with_main=with_main,
-            )
-            for b, members in enumerate(plan)
-        ]
-    return buckets
+    return layout_store(
+        [(i, entries[i].main.numel(), entries[i].bucket_key, entries[i].resident) for i in streamed],
+        config.bucket_cap_elements,
+        config.moment_torch_dtype,
+        remainder.STORAGE_DTYPE if config.main_storage == "remainder" else MAIN_DTYPE,
+        config.blockwise_moments,
+    )
 
 
-def _open_backing_and_engine(
-    config: StreamConfig, buckets, keys: list, scratch_of: dict[int, ScratchDir], device: torch.device
-):
+def _open_backing_and_engine(config: StreamConfig, buckets, placed: Placement, device: torch.device):
     """The backing (each bucket in its place: files in a directory's scratch, pinned
     host memory, device memory) and the engine (a set of I/O threads per directory)."""
     pin = torch.cuda.is_available()
@@ -704,9 +646,9 @@ def _open_backing_and_engine(
             return DeviceBacking(mine, device)
         directory = key[1]
         direct = config.pipelined and config.direct_io
-        return FileBacking(scratch_of[directory].path, mine, direct, io_queue=directory)
+        return FileBacking(placed.scratches[directory].path, mine, direct, io_queue=directory)
 
-    backing = PlacedBacking(buckets, keys, build)
+    backing = PlacedBacking(buckets, placed.keys(), build)
     try:
         if config.pipelined:
             engine = PipelinedEngine(

@@ -82,9 +82,9 @@ def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_
     assert store.home_bytes["gpu"] == store.buckets[-1].file_size
     assert_same_training(ref, (params, state))
     # Only the disk buckets have files, two slots each.
-    disk = [b for b in store.buckets if store.homes[b.index] == "disk"]
+    disk = [b for b in store.buckets if store.placed.homes[b.index] == "disk"]
     slots = {os.path.basename(store._backing.file_backing(b).path(b, slot)) for b in disk for slot in (0, 1)}
-    assert len(store.scratches) == 1 and set(os.listdir(store.scratches[0].path)) == slots
+    assert len(store.placed.scratches) == 1 and set(os.listdir(store.placed.scratches[0].path)) == slots
     streamed.close()
 
 
@@ -104,8 +104,8 @@ def test_with_every_bucket_in_memory_the_scratch_is_still_locked_and_purged(tmp_
         gpu_budget_bytes=sum(sizes[:2]),
         host_budget_bytes=sum(sizes),
     )
-    assert streamed.store.placement["disk"] == 0 and len(streamed.store.scratches) == 1
-    assert os.listdir(streamed.store.scratches[0].path) == []
+    assert streamed.store.placement["disk"] == 0 and len(streamed.store.placed.scratches) == 1
+    assert os.listdir(streamed.store.placed.scratches[0].path) == []
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), (params, state))
     streamed.close()
     assert os.listdir(tmp_path) == []
@@ -202,11 +202,11 @@ def test_buckets_spread_over_several_directories_are_byte_identical_to_resident(
         bucket_cap_elements=CAP,
     )
     store = streamed.store
-    assert [s.directory for s in store.scratches] == [str(d) for d in directories]
-    used = [store.directory_of[b.index] for b in store.buckets]
+    assert [s.directory for s in store.placed.scratches] == [str(d) for d in directories]
+    used = [store.placed.directory_of[b.index] for b in store.buckets]
     assert set(used) == {0, 1}, used
-    for i, scratch in enumerate(store.scratches):
-        mine = [b for b in store.buckets if store.directory_of[b.index] == i]
+    for i, scratch in enumerate(store.placed.scratches):
+        mine = [b for b in store.buckets if store.placed.directory_of[b.index] == i]
         assert len(os.listdir(scratch.path)) == 2 * len(mine)  # two slots per bucket, nothing else
     if engine == "pipelined":
         assert store.config.io_queues == 2 and {store._backing.open(b).io_queue for b in store.buckets} == {0, 1}
@@ -314,7 +314,7 @@ def test_a_failed_disk_write_before_the_first_in_memory_update_rolls_back(tmp_pa
     """The walk waits for every disk write before it updates the first in-memory bucket:
     a write error of the last disk buckets still finds the step undoable."""
     streamed, optimizer = _a_step_whose_last_disk_write_fails(tmp_path, engine, _bucket_sizes()[-1])
-    assert streamed.store.placement["gpu"] == 1 and streamed.store.homes[-1] == "gpu"
+    assert streamed.store.placement["gpu"] == 1 and streamed.store.placed.homes[-1] == "gpu"
     optimizer.step()  # the failed step again: the store rolled back instead of refusing
     optimizer.zero_grad()
     streamed.close()
