@@ -57,12 +57,17 @@ NEEDS_TREE = pytest.mark.skipif(
 )
 
 
+def _stream_flags(tmp_path: Path, nproc: int) -> list[str]:
+    """The streaming flags of a run under ``tmp_path``; skips without ``nproc`` GPUs."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    return ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path / "nvme")]
+
+
 @NEEDS_TREE
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_pretrain_gpt_streamed_through_the_launcher_is_byte_identical(tmp_path, nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    stream = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path / "nvme")]
+    stream = _stream_flags(tmp_path, nproc)
     resident, _ = _run(tmp_path, "resident", nproc, "--save", str(tmp_path / "ckpt_resident"))
     streamed, log = _run(tmp_path, "streamed", nproc, *stream)
     assert "optimizer-state streaming on" in log
@@ -91,9 +96,7 @@ def test_pretrain_gpt_streamed_through_the_launcher_is_byte_identical(tmp_path, 
 @NEEDS_TREE
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_legacy_ckpt_step_that_megatron_does_not_count_from_is_refused(tmp_path, nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
-    stream = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path / "nvme")]
+    stream = _stream_flags(tmp_path, nproc)
     legacy = ["--ckpt-format", "torch", "--save-interval", "3"]
     saved, _ = _run(
         tmp_path, "saved", nproc, "--exit-interval", "6", "--save", str(tmp_path / "ckpt"), *legacy, *stream
