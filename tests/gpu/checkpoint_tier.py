@@ -141,6 +141,28 @@ def _reshard_model(work: str, mode: str, moe: bool, scratch: str):
     return streamed(work, scratch, moe=moe)
 
 
+def _resident_load(ddp, opt, sched) -> int:
+    """Megatron's own resident load (its reshard of dp_reshardable state), with two defects
+    of core 0.19.2's torch-Adam fallback (used where apex and TE are absent) worked around.
+    Neither touches the resharded bytes: (1) ``DistributedOptimizer.state_dict`` asserts one
+    step count over a state that a fresh torch Adam has not built yet, so the state is built
+    first by Megatron's own ``_init_optimizer_states_with_dummy_values`` (the load overwrites
+    mains and moments); (2) ``load_state_dict`` hands every param one shared ``step`` tensor,
+    which torch Adam's foreach update then advances once per param per step (bias correction
+    drifts from the second step on), so each param gets its own copy."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    for member in opt.chained_optimizers:
+        member._init_optimizer_states_with_dummy_values()
+    iteration, _ = load_checkpoint([ddp], opt, sched)
+    for member in opt.chained_optimizers:
+        for state in member.optimizer.state.values():
+            state["step"] = state["step"].clone()
+        steps = {state["step"].item() for state in member.optimizer.state.values()}
+        assert steps == {float(iteration)}, (steps, iteration)  # the save's count, not the dummy step's
+    return iteration
+
+
 def phase_reshard_save(work: str, mode: str, moe: bool) -> dict:
     """K steps at this world's DP size, resident or streamed, then save_checkpoint."""
     from megatron.training.checkpointing import save_checkpoint
@@ -157,7 +179,10 @@ def phase_reshard_resume(work: str, mode: str, moe: bool) -> dict:
     from megatron.training.checkpointing import load_checkpoint
 
     ddp, opt, sched, baseline, bindings = _reshard_model(work, mode, moe, "scratch_reshard_resume")
-    iteration, _ = load_checkpoint([ddp], opt, sched)
+    if bindings is None:
+        iteration = _resident_load(ddp, opt, sched)
+    else:
+        iteration, _ = load_checkpoint([ddp], opt, sched)
     second = train(ddp, opt, sched, baseline, K, start=K)
     state = resident_state(opt) if bindings is None else streamed_state(bindings)
     record = {"params": params_of(ddp), "state": state, "losses": second["losses"]}

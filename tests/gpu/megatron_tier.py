@@ -369,6 +369,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
             "step_added_bytes": max(variant["added"]),
             "step_device_bytes_bound": step_bound(bindings),
             "placement": {home: sum(b.store.placement[home] for b in bindings) for home in ("gpu", "host", "disk")},
+            "gpu_home_bytes": sum(b.store.home_bytes["gpu"] for b in bindings),
         }
         for b in bindings:
             b.store.close()
