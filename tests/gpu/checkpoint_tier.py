@@ -142,24 +142,31 @@ def _reshard_model(work: str, mode: str, moe: bool, scratch: str):
 
 
 def _resident_load(ddp, opt, sched) -> int:
-    """Megatron's own resident load (its reshard of dp_reshardable state), with two defects
-    of core 0.19.2's torch-Adam fallback (used where apex and TE are absent) worked around.
-    Neither touches the resharded bytes: (1) ``DistributedOptimizer.state_dict`` asserts one
-    step count over a state that a fresh torch Adam has not built yet, so the state is built
-    first by Megatron's own ``_init_optimizer_states_with_dummy_values`` (the load overwrites
-    mains and moments); (2) ``load_state_dict`` hands every param one shared ``step`` tensor,
-    which torch Adam's foreach update then advances once per param per step (bias correction
-    drifts from the second step on), so each param gets its own copy."""
+    """Megatron's own resident load (its reshard of dp_reshardable state), with three defects
+    of core 0.19.2's torch-Adam fallback (used where apex and TE are absent) worked around;
+    none touches the resharded mains or moments:
+
+    1. ``DistributedOptimizer.state_dict`` asserts one step count over a state that a fresh
+       torch Adam has not built yet: the state is built first by Megatron's own
+       ``_init_optimizer_states_with_dummy_values`` (the load overwrites mains and moments).
+    2. The per-param ``step`` the load leaves is the dummy step's: the saved count reaches
+       only the param groups (``load_state_dict``), and the param-state load then copies the
+       live step captured before the load back over it.
+    3. ``load_state_dict`` hands every param one shared ``step`` tensor, which torch Adam's
+       foreach update would advance once per param per step.
+
+    So each param gets its group's saved count as a tensor of its own."""
     from megatron.training.checkpointing import load_checkpoint
 
     for member in opt.chained_optimizers:
         member._init_optimizer_states_with_dummy_values()
     iteration, _ = load_checkpoint([ddp], opt, sched)
     for member in opt.chained_optimizers:
-        for state in member.optimizer.state.values():
-            state["step"] = state["step"].clone()
-        steps = {state["step"].item() for state in member.optimizer.state.values()}
-        assert steps == {float(iteration)}, (steps, iteration)  # the save's count, not the dummy step's
+        for group in member.optimizer.param_groups:
+            assert group["step"] == iteration, (group["step"], iteration)  # the save's count
+            for main in group["params"]:
+                if "step" in member.optimizer.state[main]:  # empty shards have no state
+                    member.optimizer.state[main]["step"] = torch.tensor(float(group["step"]))
     return iteration
 
 
