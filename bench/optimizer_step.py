@@ -374,6 +374,20 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: 
         os.unlink(result_path)
 
 
+def _outcome(result: dict) -> str:
+    """One line for a measurement as it lands: its steps, or why it has none."""
+    if "step_seconds_all" in result:
+        return "steps " + ", ".join(f"{t:.3f}" for t in result["step_seconds_all"]) + " s"
+    return f"no steps: {result.get('skipped') or result.get('error')}"
+
+
+def _write(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def _available(mode: str, device: torch.device) -> str | None:
     """Why ``mode`` cannot run here, or None."""
     if mode.startswith("megatron-cpu-offload"):
@@ -676,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                         key = mode if mb == budgets[0] else f"{mode}@{mb}MiB"
                         print(f"[{regime}] {key} (round {round_index + 1} of {args.rounds})...", flush=True)
                         result = _child(mode, args, cgroup, mb, limit)
+                        print(f"  {_outcome(result)}", flush=True)
                         if key not in results or "step_seconds_all" not in results[key]:
                             results[key] = result
                         elif "step_seconds_all" in result:  # a failed later round keeps the earlier ones
@@ -683,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
                             results[key].update(step_seconds_all=steps, step_seconds=statistics.median(steps))
                         results[key]["staging_budget_mb"] = mb if _settings(mode, args.params) is not None else None
                         results[key]["rounds"] = round_index + 1
+                        # What has been measured so far survives a run cut short (a device's time limit).
+                        report["regimes"][regime] = results
+                        _write(report, args.out)
                 for mb in order:
                     _derive(results[mode if mb == budgets[0] else f"{mode}@{mb}MiB"], rates)
         finally:
@@ -691,9 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         report["regimes"][regime] = results
         report["disk"][regime] = {"directory": args.dir, **rates.as_dict()}
     report["targets"] = _targets(report["regimes"])
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    _write(report, args.out)
     print(_table(report["regimes"]))
     for name, value in report["targets"].items():
         print(f"  {name}: {'-' if value is None else f'{value:.3f}'}")
