@@ -32,7 +32,7 @@ import time
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.config import ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
+from miles_plugins.optimizers.config import AUTO, ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
 from miles_plugins.optimizers.fs import parse_size
 
 VOCAB = 512
@@ -213,7 +213,9 @@ def missing_dirs(path: str) -> list[str]:
     return missing
 
 
-def _size(text: str) -> int:
+def _budget(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -232,17 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tier", default="disk", choices=list(TIERS), help="where the state lives between steps")
     parser.add_argument(
         "--gpu-budget",
-        type=_size,
+        type=_budget,
         default=0,
         metavar="SIZE",
-        help="device memory for buckets kept there between steps, e.g. 3M (default 0)",
+        help="device memory for buckets kept there between steps, e.g. 3M, or auto: what the first step's "
+        "peak left, less a margin (default 0)",
     )
     parser.add_argument(
         "--host-budget",
-        type=_size,
+        type=_budget,
         default=0,
         metavar="SIZE",
-        help="pinned host memory for buckets the GPU budget leaves, e.g. 2G; the rest go to the tier (default 0)",
+        help="pinned host memory for buckets the GPU budget leaves, e.g. 2G, or auto (what the host has, less a "
+        "margin); the rest go to the tier (default 0)",
     )
     parser.add_argument("--engine", default="pipelined", choices=list(ENGINES), help="how buckets move")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch directory is created")
@@ -291,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         resident = train_resident(device, data)
         where = scratch if args.tier == "disk" else "pinned host memory"
         if args.gpu_budget or args.host_budget:
-            where += f", up to {args.gpu_budget:,} bytes on the {device.type} and {args.host_budget:,} in host memory"
+            gpu, host = (b if b == AUTO else f"{b:,} bytes" for b in (args.gpu_budget, args.host_budget))
+            where += f", up to {gpu} on the {device.type} and {host} in host memory"
         print(f"streamed run ({args.engine} engine, state in {where})...", flush=True)
         streamed = train_streamed(device, data, config)
     except (StreamConfigError, StreamIOError) as exc:

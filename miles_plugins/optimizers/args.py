@@ -23,6 +23,9 @@ from typing import Any
 from megatron_hooks.contract import STORE_ATTR
 from miles_plugins.optimizers import scratch
 from miles_plugins.optimizers.config import (
+    AUTO,
+    DEFAULT_AUTO_GPU_MARGIN_BYTES,
+    DEFAULT_AUTO_HOST_MARGIN_BYTES,
     DEFAULT_BUCKET_CAP_ELEMENTS,
     DEFAULT_BUCKETS_IN_FLIGHT,
     DEFAULT_IO_THREADS,
@@ -95,7 +98,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             type=lambda text: _gib(text, "--stream-optimizer-state-gpu-budget-gb"),
             default=0.0,
             help="GiB (2^30 bytes) of GPU memory per rank for buckets kept on the GPU between steps (no "
-            "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert)",
+            "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert). 'auto': "
+            "after the first step, what the peak so far left, less --stream-optimizer-state-auto-gpu-margin-gb; "
+            "buckets go back to host or disk when a later peak grows",
         ),
     ),
     (
@@ -105,7 +110,24 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=0.0,
             help="GiB (2^30 bytes) of pinned host memory per rank for buckets the GPU budget leaves, shared "
             "like it; the rest go to the tier. A step that fails after updating a bucket in host or GPU memory "
-            "cannot be rolled back",
+            "cannot be rolled back. 'auto': at setup, MemAvailable or the cgroup's memory.max room, less "
+            "--stream-optimizer-state-auto-host-margin-gb, divided by this node's ranks",
+        ),
+    ),
+    (
+        "--stream-optimizer-state-auto-gpu-margin-gb",
+        dict(
+            type=lambda text: _gib(text, "--stream-optimizer-state-auto-gpu-margin-gb", auto=False),
+            default=DEFAULT_AUTO_GPU_MARGIN_BYTES / 2**30,
+            help="GiB an 'auto' GPU budget leaves free for the forward/backward peak to grow into between two steps",
+        ),
+    ),
+    (
+        "--stream-optimizer-state-auto-host-margin-gb",
+        dict(
+            type=lambda text: _gib(text, "--stream-optimizer-state-auto-host-margin-gb", auto=False),
+            default=DEFAULT_AUTO_HOST_MARGIN_BYTES / 2**30,
+            help="GiB of the node's host memory an 'auto' host budget leaves to everything else",
         ),
     ),
     (
@@ -187,14 +209,17 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def _gib(text: str, flag: str) -> float:
-    """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more."""
+def _gib(text: str, flag: str, auto: bool = True) -> float | str:
+    """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more; or ``auto``."""
+    if auto and text == AUTO:
+        return AUTO
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{flag} takes a number of GiB, 0 or more (e.g. 2.5), got {text!r}")
+        also = f" or {AUTO}" if auto else ""
+        raise argparse.ArgumentTypeError(f"{flag} takes a number of GiB, 0 or more (e.g. 2.5){also}, got {text!r}")
     return value
 
 
@@ -428,6 +453,8 @@ _SETTING_FLAGS = {
     "directory": "--offload-train-disk-dir",
     "gpu budget bytes": "--stream-optimizer-state-gpu-budget-gb",
     "host budget bytes": "--stream-optimizer-state-host-budget-gb",
+    "auto gpu margin bytes": "--stream-optimizer-state-auto-gpu-margin-gb",
+    "auto host margin bytes": "--stream-optimizer-state-auto-host-margin-gb",
     "moment dtype": MOMENT_FLAG,
     "unknown moment dtype": MOMENT_FLAG,
 }
@@ -456,6 +483,12 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
         io_timeout_s=_get(args, "stream_optimizer_state_io_timeout", DEFAULT_IO_TIMEOUT_S),
         gpu_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_gpu_budget_gb", 0.0)),
         host_budget_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_host_budget_gb", 0.0)),
+        auto_gpu_margin_bytes=_bytes_of_gib(
+            _get(args, "stream_optimizer_state_auto_gpu_margin_gb", DEFAULT_AUTO_GPU_MARGIN_BYTES / 2**30)
+        ),
+        auto_host_margin_bytes=_bytes_of_gib(
+            _get(args, "stream_optimizer_state_auto_host_margin_gb", DEFAULT_AUTO_HOST_MARGIN_BYTES / 2**30)
+        ),
     )
 
 

@@ -42,6 +42,15 @@ TIERS = ("disk", "host")
 # CPU's where the mains are on the CPU), pinned host memory (``host``), files (``disk``).
 HOMES = ("gpu", "host", "disk")
 
+# A budget that measures itself (``auto_budget.py``): the host's at setup, the
+# GPU's after the first step, when the forward/backward peak is known.
+AUTO = "auto"
+# What auto leaves free: device memory for the forward/backward peak to grow
+# into between two steps (a step gives buckets back when it grew), and host
+# memory for everything else on the node (data loaders, page cache, other jobs).
+DEFAULT_AUTO_GPU_MARGIN_BYTES = 4 << 30
+DEFAULT_AUTO_HOST_MARGIN_BYTES = 16 << 30
+
 # How buckets move: "pipelined" reads bucket i+1 and writes bucket i-1 while bucket
 # i computes, with direct I/O and several requests in flight; "sync" is the simple
 # design kept as a baseline (one bucket at a time, buffered I/O, one staging buffer).
@@ -127,6 +136,13 @@ class StreamConfig:
             take (the ``host`` home), filled next, the same way; the rest go to
             ``tier``. Each home is one run of buckets, every disk bucket before
             every in-memory one. Placement never changes a result or a checkpoint.
+            Either budget may be ``"auto"`` (``auto_budget.py``): the host's is
+            measured at setup (available memory and the cgroup's limit, less
+            ``auto_host_margin_bytes``, shared by this node's ranks); the GPU's
+            after the first step, from the device's peak use so far, less
+            ``auto_gpu_margin_bytes``; buckets then move to the device, and go
+            back to where they were when a later peak eats into the margin.
+        auto_gpu_margin_bytes, auto_host_margin_bytes: what ``"auto"`` leaves free.
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
             one-bucket-at-a-time baseline with buffered I/O).
         buckets_in_flight: pipelined engine: the most buckets materialized on
@@ -166,8 +182,10 @@ class StreamConfig:
     direct_io: bool = True
     main_storage: str = "fp32"
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
-    gpu_budget_bytes: int = 0
-    host_budget_bytes: int = 0
+    gpu_budget_bytes: int | str = 0
+    host_budget_bytes: int | str = 0
+    auto_gpu_margin_bytes: int = DEFAULT_AUTO_GPU_MARGIN_BYTES
+    auto_host_margin_bytes: int = DEFAULT_AUTO_HOST_MARGIN_BYTES
     fp32_param_moments: str = "streamed"
 
     def __post_init__(self) -> None:
@@ -212,11 +230,14 @@ class StreamConfig:
                 raise StreamConfigError(
                     f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"
                 )
-        for field in ("gpu_budget_bytes", "host_budget_bytes"):
+        for field in ("gpu_budget_bytes", "host_budget_bytes", "auto_gpu_margin_bytes", "auto_host_margin_bytes"):
             value = getattr(self, field)
+            if value == AUTO and field.endswith("budget_bytes"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                also = f' or "{AUTO}"' if field.endswith("budget_bytes") else ""
                 raise StreamConfigError(
-                    f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more, got {value!r}"
+                    f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more{also}, got {value!r}"
                 )
         for field in ("buckets_in_flight", "io_threads"):
             value = getattr(self, field)

@@ -302,25 +302,43 @@ class DeviceBacking:
         self.device = device
         self.buffers: dict[int, torch.Tensor] = {}
         self._offloaded: dict[int, HostMemory] = {}
-        for bucket in buckets:
-            try:
-                # Zeroed: bytes no write reaches (alignment padding, moments of entries
-                # that never got a grad) are saved as zeros, as from files and host memory.
-                self.buffers[bucket.index] = torch.zeros(bucket.file_size, dtype=torch.uint8, device=device)
-            except RuntimeError as exc:  # torch.OutOfMemoryError is one
-                self.release()
-                raise StreamIOError(
-                    f"cannot keep bucket {bucket.index} ({bucket.file_size} bytes) in {device} memory: {exc}; "
-                    "lower the GPU budget (--stream-optimizer-state-gpu-budget-gb, gpu_budget_bytes)",
-                    f"<device bucket {bucket.index}>",
-                    0,
-                    errno.ENOMEM,
-                ) from exc
+        try:
+            for bucket in buckets:
+                self.add(bucket)
+        except BaseException:
+            self.release()
+            raise
+
+    def add(self, bucket: BucketLayout) -> torch.Tensor:
+        """Device memory for one more bucket, zeroed: bytes no write reaches (alignment
+        padding, moments of entries that never got a grad) are saved as zeros, as from
+        files and host memory. Raises ``StreamIOError`` (ENOMEM) where it does not fit."""
+        try:
+            buffer = torch.zeros(bucket.file_size, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            raise StreamIOError(
+                f"cannot keep bucket {bucket.index} ({bucket.file_size} bytes) in {self.device} memory: {exc}; "
+                "lower the GPU budget (--stream-optimizer-state-gpu-budget-gb, gpu_budget_bytes)",
+                f"<device bucket {bucket.index}>",
+                0,
+                errno.ENOMEM,
+            ) from exc
+        self.buffers[bucket.index] = buffer
+        return buffer
+
+    def remove(self, bucket: BucketLayout) -> None:
+        """Free one bucket's memory (it went back to its place below)."""
+        del self.buffers[bucket.index]
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
         # Device-to-device copies go on the caller's stream: ordered with the update
         # and with the caching allocator's reuse of freed bucket memory.
         return BufferHandle(self.buffers[bucket.index], f"<device memory of bucket {bucket.index}>", True)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether :meth:`to_host` moved the buffers to host memory."""
+        return bool(self._offloaded)
 
     def to_host(self, pin: bool) -> None:
         """Move every buffer to host memory and free the device's (an RL rollout

@@ -57,9 +57,11 @@ import torch
 from megatron_hooks import fingerprint
 from megatron_hooks.checkpoint import check_patched
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
+from miles_plugins.optimizers import auto_budget
 from miles_plugins.optimizers.adam import backend_for, bind_master
 from miles_plugins.optimizers.args import refusals_of_optimizer
-from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.auto_budget import AutoGpuBudget
+from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
 from miles_plugins.optimizers.pins import PINS
@@ -151,7 +153,7 @@ class MegatronBinding:
     ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)``.
     """
 
-    def __init__(self, dist_opt: Any, config: StreamConfig) -> None:
+    def __init__(self, dist_opt: Any, config: StreamConfig, auto_gpu: AutoGpuBudget | None = None) -> None:
         check_supported(dist_opt)
         self.dist_opt = dist_opt
         # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
@@ -166,6 +168,7 @@ class MegatronBinding:
             copy_to_model=self._copy_main_to_param_buffer,
             topology=self._topology(),
             param_layout=param_layout(dist_opt, self.names),
+            auto_gpu=auto_gpu,
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook
         # has restored the files it promises (it stays set when that load fails).
@@ -576,7 +579,10 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
         check_upstream()
     share = _staging_share(config, len(members))
     # The GPU and host budgets are the rank's too: each store takes what it places
-    # from what the stores before it (dense first) left.
+    # from what the stores before it (dense first) left. "auto" is measured once for
+    # the rank: the host's here, the GPU's by one AutoGpuBudget all stores share.
+    config = auto_budget.resolve_host(config)
+    auto_gpu = AutoGpuBudget(config.auto_gpu_margin_bytes) if config.gpu_budget_bytes == AUTO else None
     budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     bindings: list[MegatronBinding] = []
     try:
@@ -585,10 +591,10 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 config,
                 name=f"{config.name}.opt{index}",
                 staging_budget_mb=share,
-                gpu_budget_bytes=budgets["gpu"],
+                gpu_budget_bytes=AUTO if auto_gpu else budgets["gpu"],
                 host_budget_bytes=budgets["host"],
             )
-            bindings.append(MegatronBinding(member, member_config))
+            bindings.append(MegatronBinding(member, member_config, auto_gpu=auto_gpu))
             budgets = bindings[-1].store.placed.budgets_left
     except BaseException:
         for binding in bindings:

@@ -106,6 +106,10 @@ class Placement:
             raise
         _warn_about_shared_filesystems([scratch.directory for scratch in self.scratches])
 
+    def move(self, index: int, home: str) -> None:
+        """Bucket ``index`` now lives in ``home`` (an auto GPU budget moved it)."""
+        self.homes[index] = home
+
     def keys(self) -> list[Hashable]:
         """Each bucket's place, as :class:`PlacedBacking` keys it."""
         return [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
@@ -128,7 +132,7 @@ class Placement:
         places = {"gpu": f"{device.type} memory", "host": "pinned host memory"}
         where = {places[home]: n for home, n in self.counts().items() if n and home != "disk"}
         for i, scratch in enumerate(self.scratches):
-            if n := self.directory_of.count(i):
+            if n := sum(d == i and h == "disk" for d, h in zip(self.directory_of, self.homes, strict=True)):
                 where[scratch.path] = n
         if len(where) <= 1:
             return next(iter(where), self.scratches[0].path if self.scratches else places["host"])
@@ -167,6 +171,9 @@ class PlacedBacking:
     ) -> None:
         self.keys = list(keys)
         self.by_key: dict[Hashable, object] = {}
+        self._build = build
+        # A bucket moved to the device keeps its place below (files, host buffer) there.
+        self.below: dict[int, Hashable] = {}
         try:
             for key in dict.fromkeys(self.keys):  # in order of first use
                 self.by_key[key] = build(key, [b for b in buckets if self.keys[b.index] == key])
@@ -191,6 +198,32 @@ class PlacedBacking:
         files = [b for key, b in self.by_key.items() if isinstance(key, tuple)]
         return bool(files) and all(b.direct for b in files)
 
+    def move_to_device(self, bucket: BucketLayout, staging: HostMemory) -> None:
+        """Copy a bucket's live bytes into new device memory (the ``"gpu"`` place, made
+        if not yet in use) and route it there. Its place below keeps its files or host
+        buffer: :meth:`move_back` needs no memory. On a failure nothing has moved."""
+        device_home = self.by_key.get("gpu")
+        if device_home is None:
+            device_home = self.by_key["gpu"] = self._build("gpu", [])
+        buffer = device_home.add(bucket)
+        try:
+            _copy(self.by_key[self.keys[bucket.index]].open(bucket, in_place=True), buffer, staging, to_buffer=True)
+        except BaseException:
+            device_home.remove(bucket)
+            raise
+        self.below[bucket.index] = self.keys[bucket.index]
+        self.keys[bucket.index] = "gpu"
+
+    def move_back(self, bucket: BucketLayout, staging: HostMemory) -> Hashable:
+        """Copy a bucket :meth:`move_to_device` moved back to its place below, route it
+        there and free its device memory; returns the place. On a failure it stays."""
+        below = self.below[bucket.index]
+        device_home = self.by_key["gpu"]
+        _copy(self.by_key[below].open(bucket, in_place=True), device_home.buffers[bucket.index], staging, False)
+        device_home.remove(bucket)
+        self.keys[bucket.index] = self.below.pop(bucket.index)
+        return below
+
     def open(self, bucket: BucketLayout, in_place: bool = False):
         return self._of(bucket).open(bucket, in_place=in_place)
 
@@ -207,3 +240,14 @@ class PlacedBacking:
     def release(self) -> None:
         for backing in self.by_key.values():
             backing.release()
+
+
+def _copy(handle, buffer: torch.Tensor, staging: HostMemory, to_buffer: bool) -> None:
+    """A whole bucket between an open handle (its live bytes) and ``buffer``, in
+    chunks of the staging buffer (aligned, as direct I/O needs)."""
+    try:
+        for start in range(0, buffer.numel(), staging.nbytes):
+            chunk = buffer[start : start + staging.nbytes]
+            (handle.read if to_buffer else handle.write)(start, chunk, staging)
+    finally:
+        handle.close()

@@ -18,16 +18,19 @@ checkpoints (``persistence.py``), files and directories (``fs.py``,
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers import quant8, remainder
+from miles_plugins.optimizers import auto_budget, quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
+from miles_plugins.optimizers.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
+from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
@@ -88,6 +91,11 @@ class StreamingStore:
             a scheduler left it, weight decay, ...) with the state and restore
             them on load: for callers whose own checkpoint cannot carry them
             (the master's ``state_dict`` refuses). Megatron's carries them.
+        auto_gpu: with ``gpu_budget_bytes="auto"``, the rank's
+            :class:`~miles_plugins.optimizers.auto_budget.AutoGpuBudget`, shared
+            by its stores (a Megatron chain); by default the store makes its own.
+            It moves buckets into and out of the ``gpu`` home between steps
+            (:meth:`move_to_gpu_home`, :meth:`move_from_gpu_home`).
 
     Construction validates the directory and free space before writing
     anything (disk tier), then writes every bucket's initial mains and releases
@@ -109,7 +117,14 @@ class StreamingStore:
         param_layout: dict | None = None,
         grad_bytes_per_element: int = 0,
         checkpoint_master_options: bool = False,
+        auto_gpu: AutoGpuBudget | None = None,
     ) -> None:
+        config = auto_budget.resolve_host(config)
+        self.auto_gpu = None
+        if config.gpu_budget_bytes == AUTO:
+            # The rank's stores share one (a Megatron chain); the buckets start below it.
+            self.auto_gpu = auto_gpu or AutoGpuBudget(config.auto_gpu_margin_bytes)
+            config = dataclasses.replace(config, gpu_budget_bytes=0)
         self.config = config
         self.entries = list(entries)
         self._grad_bytes_per_element = grad_bytes_per_element
@@ -153,7 +168,7 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
-                drain_before=next((b.index for b in self.buckets if self._written_in_place(b)), None),
+                drain_before=self._first_written_in_place(),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -175,6 +190,8 @@ class StreamingStore:
         except BaseException:
             self._shut_down()
             raise
+        if self.auto_gpu is not None:
+            self.auto_gpu.register(self, self._device)
         _log_setup(self)
 
     # ---- sizes ---------------------------------------------------------------
@@ -286,7 +303,62 @@ class StreamingStore:
             stats.bytes_written / 1e6,
             stats.seconds,
         )
+        if self.auto_gpu is not None:
+            try:
+                self.auto_gpu.after_step(self)
+            except Exception as exc:  # the step is done and committed; placement is an optimization
+                logger.warning("auto GPU budget: not adjusted after step %d: %s", self.steps_taken, exc)
         return stats
+
+    # ---- auto GPU budget (auto_budget.py) --------------------------------------
+
+    def move_to_gpu_home(self, budget: int) -> int:
+        """Move buckets into the ``gpu`` home, from the last one a step visits that is not
+        there backwards, while their stored sizes fit ``budget``; returns the bytes moved.
+        A bucket whose device memory cannot be had stops it, with a warning: a step
+        never fails for it. Call between steps."""
+        moved = 0
+        for bucket in self._movable(reversed(self.buckets), lambda home: home != "gpu"):
+            if bucket.file_size > budget - moved:
+                break
+            try:
+                self._backing.move_to_device(bucket, self._engine.idle_buffer())
+            except Exception as exc:
+                logger.warning("auto GPU budget: bucket %d stays where it is: %s", bucket.index, exc)
+                break
+            self.placed.move(bucket.index, "gpu")
+            moved += bucket.file_size
+        self._pipeline.drain_before = self._first_written_in_place()
+        return moved
+
+    def move_from_gpu_home(self, nbytes: int) -> int:
+        """Give buckets of the ``gpu`` home back to their places below, first visited
+        first, until ``nbytes`` of device memory are freed (or none are left); returns
+        the bytes freed. Call between steps."""
+        freed = 0
+        for bucket in self._movable(self.buckets, lambda home: home == "gpu"):
+            if freed >= nbytes:
+                break
+            try:
+                below = self._backing.move_back(bucket, self._engine.idle_buffer())
+            except Exception as exc:
+                logger.warning("auto GPU budget: bucket %d stays on the device: %s", bucket.index, exc)
+                break
+            self.placed.move(bucket.index, "host" if below == "host" else "disk")
+            freed += bucket.file_size
+        self._pipeline.drain_before = self._first_written_in_place()
+        return freed
+
+    def _movable(self, buckets, wanted) -> Iterator[BucketLayout]:
+        """The first run of ``buckets`` whose home is ``wanted``: walked from either end,
+        the gpu home stays one run at the end. None while the device home is offloaded."""
+        self._settle()
+        device_home = self._backing.by_key.get("gpu")
+        if device_home is not None and device_home.offloaded:
+            return
+        homes = self.placed.homes
+        run = itertools.dropwhile(lambda b: not wanted(homes[b.index]), buckets)
+        yield from itertools.takewhile(lambda b: wanted(homes[b.index]), run)
 
     def _update(self, flight: Flight) -> None:
         """The Adam update of one materialized bucket; its mains then go to the model."""
@@ -310,6 +382,10 @@ class StreamingStore:
         if self.config.main_storage == "remainder":
             return "remainder mains need the params the step overwrote"
         return None
+
+    def _first_written_in_place(self) -> int | None:
+        """The first bucket whose update cannot be undone: the walk drains disk writes before it."""
+        return next((b.index for b in self.buckets if self._written_in_place(b)), None)
 
     def _written_in_place(self, bucket: BucketLayout) -> str | None:
         """Why an update of ``bucket`` cannot be undone, or None (its mains stream to disk,

@@ -183,6 +183,8 @@ def test_on_miles_parser_only_missing_flags_are_added_and_miles_definitions_stay
         "stream_optimizer_state_tier",
         "stream_optimizer_state_gpu_budget_gb",
         "stream_optimizer_state_host_budget_gb",
+        "stream_optimizer_state_auto_gpu_margin_gb",
+        "stream_optimizer_state_auto_host_margin_gb",
         "stream_optimizer_state_engine",
         "stream_optimizer_state_main_storage",
         "stream_optimizer_state_fp32_param_moments",
@@ -260,8 +262,29 @@ def test_budget_flags_take_gib_and_set_the_budgets_in_bytes(capsys):
     for bad in ("-1", "nan", "inf", "2G", ""):
         with pytest.raises(SystemExit):
             parser.parse_args(["--stream-optimizer-state-host-budget-gb", bad])
-        assert f"--stream-optimizer-state-host-budget-gb takes a number of GiB, 0 or more (e.g. 2.5), got {bad!r}" in (
-            capsys.readouterr().err
+        assert (
+            f"--stream-optimizer-state-host-budget-gb takes a number of GiB, 0 or more (e.g. 2.5) or auto, got {bad!r}"
+            in (capsys.readouterr().err)
+        )
+
+
+def test_budget_flags_take_auto_and_its_margins_take_gib(capsys):
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--stream-optimizer-state-gpu-budget-gb", "auto", "--stream-optimizer-state-host-budget-gb", "auto"]
+        + ["--stream-optimizer-state-auto-gpu-margin-gb", "6", "--stream-optimizer-state-auto-host-margin-gb", "0.5"]
+    )
+    config = config_from_args(args, name="rank0")
+    assert (config.gpu_budget_bytes, config.host_budget_bytes) == ("auto", "auto")
+    assert (config.auto_gpu_margin_bytes, config.auto_host_margin_bytes) == (6 << 30, 1 << 29)
+    defaults = config_from_args(parser.parse_args([]), name="rank0")
+    assert (defaults.auto_gpu_margin_bytes, defaults.auto_host_margin_bytes) == (4 << 30, 16 << 30)
+    for bad in ("auto", "-1", "AUTO"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--stream-optimizer-state-auto-gpu-margin-gb", bad])
+        assert (
+            f"--stream-optimizer-state-auto-gpu-margin-gb takes a number of GiB, 0 or more (e.g. 2.5), got {bad!r}"
+            in (capsys.readouterr().err)
         )
 
 

@@ -50,6 +50,15 @@ def test_demo_places_buckets_in_all_three_homes_by_its_budgets(tmp_path):
     assert sum(placement.values()) == report["buckets"]
 
 
+def test_demo_takes_auto_budgets(tmp_path):
+    result = _demo("--steps", "3", "--gpu-budget", "auto", "--host-budget", "auto", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bit_identical"] is True and "up to auto on the cpu and auto in host memory" in result.stdout
+    # The CPU has no allocator statistics: nothing stays in the device home.
+    assert report["placement"]["gpu"] == 0 and sum(report["placement"].values()) == report["buckets"]
+
+
 def test_demo_refuses_a_budget_that_is_not_a_size(tmp_path):
     result = _demo("--host-budget", "2 gigs", "--dir", str(tmp_path))
     assert result.returncode == 2

@@ -35,6 +35,7 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfig,
     StreamConfigError,
 )
+from miles_plugins.optimizers.auto_budget import AutoGpuBudget  # noqa: E402
 from miles_plugins.optimizers.megatron import STREAMED_STATE_KEY, MegatronBinding  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
@@ -358,3 +359,29 @@ def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkey
     finally:
         for binding in bindings:
             binding.store.close()
+
+
+def test_a_chain_shares_one_auto_gpu_budget_sized_after_its_last_store_stepped(tmp_path):
+    """What attach does for a Megatron chain (dense, expert): one AutoGpuBudget for the rank's stores."""
+    from tests.unit.test_auto_budget import SimulatedDevice
+
+    shared = AutoGpuBudget(0)  # the CPU: no allocator statistics until the test gives them
+    chain = []
+    for i in range(2):
+        opt, params = dp1_distributed_optimizer(i)
+        config = StreamConfig(
+            directory=str(tmp_path / "scratch"), name=f"rank0.opt{i}", bucket_cap_elements=3000, gpu_budget_bytes="auto"
+        )
+        chain.append((opt, params, MegatronBinding(opt, config, auto_gpu=shared)))
+    stores = [binding.store for _, _, binding in chain]
+    assert shared.stores == stores
+    shared.memory = SimulatedDevice(headroom=stores[1].file_bytes_total + stores[0].buckets[-1].file_size)
+    for i, (opt, _, binding) in enumerate(chain):
+        for entry, grad in zip(binding.entries, grads(0), strict=True):
+            entry.main.grad = grad
+        opt.optimizer.step()
+        # Nothing moves until every store of the rank has stepped: the peak is not known before.
+        assert sum(s.placement["gpu"] for s in stores) == (0 if i == 0 else len(stores[1].buckets) + 1)
+    assert stores[1].placement["gpu"] == len(stores[1].buckets) and stores[0].placement["gpu"] == 1
+    for store in stores:
+        store.close()
