@@ -10,8 +10,8 @@ GPU (:class:`AutoGpuBudget`), after the first step: until then nobody knows the
 forward/backward peak, so every bucket starts in its host or disk home. Once
 every store of the rank has stepped, the device's peak use so far (the
 allocator's ``max_memory_reserved``, plus what other processes and the CUDA
-context hold) says what the step never needed; less the margin, that is the
-pool. Buckets move to the device from the last one a step visits backwards, as
+context hold, within ``set_per_process_memory_fraction``'s cap) says what the
+step never needed; less the margin, that is the pool. Buckets move to the device from the last one a step visits backwards, as
 with a fixed budget. A bucket that moves keeps its place below (its files, or
 its host buffer), so giving it back never needs memory: after each later step,
 if the peak grew past what was seen (a larger batch, longer sequences), buckets
@@ -126,7 +126,9 @@ class CudaMemory:
     def headroom(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)  # the CUDA context, NCCL, other processes
-        return total - others - self.peak()
+        # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
+        capped = int(total * torch.cuda.get_per_process_memory_fraction(self.device))
+        return min(total - others, capped) - self.peak()
 
     def peak(self) -> int:
         return torch.cuda.max_memory_reserved(self.device)

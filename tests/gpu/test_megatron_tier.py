@@ -104,7 +104,9 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
         assert saved >= 0.75 * rank["state_bytes_total"] - in_flight, where
         for name, variant in rank["variants"].items():
             assert variant["identical"], f"{where}: {name} is not byte-identical to the resident run"
-            assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"], f"{where}: {name}"
+            # The step after which auto moves buckets to the device allocates their memory too.
+            moved = variant["gpu_home_bytes"] if name == "auto_budgets" else 0
+            assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"] + moved, f"{where}: {name}"
         # Budgets placed buckets in every home. The gpu home's stored bytes are allocated
         # before the step (so the added-bytes bound above holds without them) but count in
         # the step's peak: the saving is the one above less what the gpu home keeps.
@@ -113,5 +115,8 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
         saved_placed = rank["step_peak_bytes_resident"] - placed["step_peak_bytes"]
         assert saved_placed >= 0.75 * rank["state_bytes_total"] - in_flight - placed["gpu_home_bytes"], where
         assert placed["gpu_home_bytes"] > 0, where
+        # auto: after the first step the device's peak left room, and buckets moved there (byte-identical
+        # above, with the moves mid-run).
+        assert rank["variants"]["auto_budgets"]["placement"]["gpu"] >= 1, where
         # Remainder mains read 2 bytes per main instead of 4.
         assert rank["variants"]["remainder_mains"]["bytes_read"] < rank["variants"]["sync_engine"]["bytes_read"], where
