@@ -20,9 +20,30 @@ each in its own process so GPU peaks, RSS and page cache are its own:
 Placement points (``--host-fractions 0,25,50,75,100``, ``--gpu-fractions``):
 ``placed@host<P>`` streams pipelined-fp32 with the host budget at P% of the
 stored state (the rest on disk; 100: the host tier), ``placed@gpu<P>`` with the
-GPU budget at P%, and ``megatron-cpu-offload@<P>`` is ``HybridDeviceOptimizer``
-with ``optimizer_offload_fraction`` P/100 (the rest stepped on the GPU), beside
-them in the same run. In the constrained regime a point's cgroup limit is raised
+GPU budget at P%, and two of Megatron's offloads beside them in the same run
+(roomy regime):
+
+- ``megatron-cpu-offload@<P>`` (P > 0) is ``HybridDeviceOptimizer`` with
+  ``optimizer_offload_fraction`` P/100 (the rest stepped on the GPU);
+- ``megatron-dev-chunked@<P>`` is Megatron-LM dev's chunked optimizer-state
+  offload (NVIDIA/Megatron-LM PR #6244, ``--chunked-optimizer-state-offload
+  --optimizer-state-offload-fraction`` P/100): the selected fraction of the fp32
+  mains and both moments lives in pinned host memory between steps and is
+  stepped on the GPU, the moments in ``--dev-chunk-mb`` windows. It is built the
+  way dev's training builds it (a one-rank process group, megatron-core's
+  ``DistributedDataParallel`` over the bench's params, ``get_megatron_optimizer``
+  with the flags; no grad clipping, as in the other modes); P = 0 is dev's full
+  disable, the same ``DistributedOptimizer`` with nothing offloaded. The child
+  imports dev's ``megatron`` from ``$MEGATRON_DEV_DIR`` (a checkout with the
+  feature), put first on its ``PYTHONPATH``; without it, or without a GPU, the
+  point is skipped with the reason. Only ``optimizer.step()`` is timed; the
+  masters' copy back to the host that dev starts at the next forward
+  (``offload_optimizer_state_for_forward``) runs before each step, untimed, and
+  is reported as ``offload_for_forward_seconds``. The masters' and first
+  chunk's copy in, which dev's training starts during gradient finalization,
+  falls inside the step here (there is no backward to hide it behind).
+
+In the constrained regime a point's cgroup limit is raised
 by what it pins on purpose. A placed point's bound is its disk bytes at the
 measured rates plus its host bytes at ``HOST_GBPS``. ``--plot JSON`` draws step
 time against the host fraction into a PNG beside it (needs matplotlib).
@@ -58,6 +79,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -98,10 +120,21 @@ REGIMES = {
     "roomy": ["resident", "sync-fp32", "pipelined-fp32", "host", "host-rem", "megatron-cpu-offload"],
 }
 
-# Placement points: "placed@host<P>", "placed@gpu<P>", "megatron-cpu-offload@<P>" (see the docstring).
-POINT = re.compile(r"(placed@host|placed@gpu|megatron-cpu-offload@)(\d+)")
+# Placement points: "placed@host<P>", "placed@gpu<P>", "megatron-cpu-offload@<P>",
+# "megatron-dev-chunked@<P>" (see the docstring).
+POINT = re.compile(r"(placed@host|placed@gpu|megatron-cpu-offload@|megatron-dev-chunked@)(\d+)")
 # Host memory <-> device the host part of a placed point's bound assumes (pinned, over PCIe 5).
 HOST_GBPS = 40
+# Megatron-LM dev's chunked optimizer-state offload (NVIDIA/Megatron-LM PR #6244, seen at dev
+# d48bd6be): the checkout the megatron-dev-chunked child imports, and how the parent tells that
+# a checkout has the feature (the offloader's module, and the config field that turns it on).
+DEV_DIR_ENV = "MEGATRON_DEV_DIR"
+DEV_OFFLOADER_FILE = "megatron/core/optimizer/cpu_offloading/chunked_optimizer_state_offload.py"
+DEV_CONFIG_FILE = "megatron/core/optimizer/optimizer_config.py"
+DEV_CONFIG_FIELD = "chunked_optimizer_state_offload"
+# --optimizer-state-offload-chunk-size-mb of the dev points: the dev README's example. The flag's
+# default, 0, restores all selected moments at once, so the GPU window is not bounded at all.
+DEV_CHUNK_MB = 256
 
 
 def _point(mode: str) -> tuple[str, int] | None:
@@ -133,15 +166,20 @@ def _pinned_bytes(mode: str, params: int) -> int:
         return 12 * params if mode in ("host", "host-rem", "megatron-cpu-offload") else 0
     kind, percent = point
     # HybridDeviceOptimizer: fp32 param, moments and grad copies on the CPU (16 bytes per param).
-    per_param = {"placed@host": 12, "placed@gpu": 0, "megatron-cpu-offload@": 16}[kind]
+    # Dev's chunked offload: the fp32 main and both fp32 moments of each selected param, in pinned
+    # buffers it keeps (12 bytes per param). It selects whole params until it reaches the
+    # fraction, so it may pass it by one param: under 1/MIN_TENSORS of the state, inside the 5%.
+    per_param = {"placed@host": 12, "placed@gpu": 0, "megatron-cpu-offload@": 16, "megatron-dev-chunked@": 12}[kind]
     return int(percent / 100 * per_param * params * 1.05)
 
 
 def _modes_of(regime: str, host_fractions: list[int], gpu_fractions: list[int]) -> list[str]:
-    """A regime's modes, then its placement points (Megatron's partial offload: roomy only)."""
+    """A regime's modes, then its placement points (Megatron's offloads: roomy only; dev's
+    chunked offload at every fraction, 0 being its full disable)."""
     points = [f"placed@host{p}" for p in host_fractions] + [f"placed@gpu{p}" for p in gpu_fractions]
     if regime == "roomy":
         points += [f"megatron-cpu-offload@{p}" for p in host_fractions if p > 0]
+        points += [f"megatron-dev-chunked@{p}" for p in host_fractions]
     return REGIMES[regime] + points
 
 
@@ -191,10 +229,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_steps(step, steps: int, device: torch.device) -> tuple[list[float], int]:
-    """Seconds of each of ``steps`` steps, and the device peak over them."""
+def _timed_steps(
+    step: Callable[[], object], steps: int, device: torch.device, before: Callable[[], None] | None = None
+) -> tuple[list[float], int]:
+    """Seconds of each of ``steps`` steps, and the device peak over them. ``before`` runs ahead
+    of each step, finished and outside the timing and the peak (what a training loop does
+    between two steps)."""
     seconds, peak = [], 0
     for _ in range(steps):
+        if before is not None:
+            before()
+            _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -204,6 +249,107 @@ def _timed_steps(step, steps: int, device: torch.device) -> tuple[list[float], i
         if device.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated())
     return seconds, peak
+
+
+def _dev_chunked(
+    params: list[torch.Tensor], grads: list[torch.Tensor], fraction: float, chunk_mb: int
+) -> tuple[Callable[[], object], Callable[[], None], dict]:
+    """Megatron-LM dev's chunked optimizer-state offload over the bench's model, built as dev's
+    training builds it for ``--use-distributed-optimizer --chunked-optimizer-state-offload
+    --optimizer-state-offload-fraction F``: a one-rank process group, megatron-core's
+    ``DistributedDataParallel`` (bf16 param buffer, fp32 grad buffer) over a module holding
+    ``params``, and ``get_megatron_optimizer``, whose ``DistributedOptimizer`` installs the
+    offloader (dev d48bd6be: distrib_optimizer.py, ``enable_chunked_optimizer_state_offload``).
+
+    ``grads`` are copied into the grad buffer, and both lists are emptied: the DDP buffers hold
+    the params and grads from here on, as in training. Returns ``optimizer.step``, the work
+    dev's training loop does between two steps (``offload_optimizer_state_for_forward``: the
+    selected masters back to pinned host memory; the moments went back within the step), and
+    what the offloader planned. Needs dev's ``megatron`` first on ``sys.path`` and a GPU.
+    """
+    import megatron.core
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    dev_dir = os.path.realpath(os.environ.get(DEV_DIR_ENV, ""))
+    found = os.path.realpath(megatron.core.__file__)
+    if not os.environ.get(DEV_DIR_ENV) or not found.startswith(dev_dir + os.sep):
+        raise RuntimeError(
+            f"megatron-dev-chunked imported megatron.core from {found}, not from {DEV_DIR_ENV}="
+            f"{os.environ.get(DEV_DIR_ENV)!r}: run it through the driver with {DEV_DIR_ENV} set, which "
+            "puts that checkout first on the child's PYTHONPATH"
+        )
+    if not hasattr(OptimizerConfig, DEV_CONFIG_FIELD):
+        raise RuntimeError(f"megatron.core at {found} has no {DEV_CONFIG_FIELD} (NVIDIA/Megatron-LM PR #6244)")
+
+    if not torch.distributed.is_initialized():
+        # One rank: an in-process store, no port and no file.
+        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+
+    class Params(MegatronModule):
+        """The bench's tensors as one module's parameters (megatron's DDP wraps a module)."""
+
+        def __init__(self, config: TransformerConfig, tensors: list[torch.Tensor]) -> None:
+            super().__init__(config)
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(t) for t in tensors)
+
+    # DDP takes the model's config; a one-layer bf16 one serves a module that has no forward.
+    model_config = TransformerConfig(
+        num_layers=1, hidden_size=WIDTH, num_attention_heads=1, bf16=True, params_dtype=torch.bfloat16
+    )
+    # What dev's training builds for bf16 with the distributed optimizer: fp32 grads in the
+    # buffer (--accumulate-allreduce-grads-in-fp32 is forced for bf16), no overlap flags.
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    module = Params(model_config, params)
+    # As dev's wrap_model_chunks_with_ddp (training.py) does: the optimizer's layout, then DDP.
+    layout = DistributedOptimizer.compute_full_param_layout(
+        list(module.parameters()), ddp_config.bucket_size, 1, ddp_config, expert_data_parallel_world_size=1
+    )
+    model = DistributedDataParallel(model_config, ddp_config, module, full_param_layout=layout)
+    for param, grad in zip(module.parameters(), grads, strict=True):
+        param.main_grad.copy_(grad)
+    params.clear()
+    grads.clear()
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_eps=EPS,
+        bf16=True,
+        use_distributed_optimizer=True,
+        clip_grad=0.0,  # the other modes do not clip: time the update, not a grad-norm pass
+        chunked_optimizer_state_offload=True,
+        optimizer_state_offload_fraction=fraction,
+        optimizer_state_offload_chunk_size_mb=chunk_mb,
+    )
+    # No overrides: every tensor here stands for a matrix, so all get weight decay, as in the
+    # other modes (the standard overrides would exempt them for being 1-D).
+    optimizer = get_megatron_optimizer(config, [model], config_overrides={})
+    # The offloader is dev's private attribute (optimizer.py, MegatronOptimizer.__init__); a
+    # point whose optimizer has none would time a resident step under an offload label.
+    managers = [m for o in optimizer.chained_optimizers if (m := o._optimizer_state_offloader) is not None]
+    if fraction > 0 and not managers:
+        raise RuntimeError(
+            f"get_megatron_optimizer installed no chunked offloader at fraction {fraction}: "
+            "dev installs it from DistributedOptimizer only (use_distributed_optimizer)"
+        )
+    total = sum(p.numel() for o in optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"])
+    selected = sum(p.numel() for m in managers for p in m.selected_params)
+    planned = {
+        "host_fraction": selected / total,
+        "chunks": sum(len(m.chunks) for m in managers),
+        "chunk_mb": chunk_mb,
+        "accounted_pinned_bytes": 12 * selected,  # fp32 main + two fp32 moments per selected param
+        "inner_optimizer": ", ".join(sorted({type(o.optimizer).__name__ for o in optimizer.chained_optimizers})),
+    }
+    return optimizer.step, optimizer.offload_optimizer_state_for_forward, planned
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
@@ -218,6 +364,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     cache_before = _page_cache_bytes()
     out: dict = {"mode": mode}
     store = None
+    between = None  # work a training loop does between two steps, untimed
 
     if mode == "resident":
         mains = [p.float() for p in params]
@@ -254,6 +401,17 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             eps=EPS,
         )
         step = optimizer.step
+
+    elif mode.startswith("megatron-dev-chunked"):
+        step, offload_for_forward, planned = _dev_chunked(params, grads, _point(mode)[1] / 100, args.dev_chunk_mb)
+        out.update(planned)
+        forward_seconds: list[float] = []
+
+        def between() -> None:
+            start = time.perf_counter()
+            offload_for_forward()
+            _sync(device)
+            forward_seconds.append(time.perf_counter() - start)
 
     else:
         entries = []
@@ -299,7 +457,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM restarts from here: the peak of the timed steps alone
         cache_steps = _page_cache_bytes()
-        seconds, peak = _timed_steps(step, args.steps, device)
+        seconds, peak = _timed_steps(step, args.steps, device, before=between)
     out.update(
         step_seconds=statistics.median(seconds),
         step_seconds_all=seconds,
@@ -321,6 +479,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         store.close()
     elif mode == "resident":
         out["state_residency_bytes"] = 12 * args.params
+    if between is not None:
+        out["offload_for_forward_seconds"] = statistics.median(forward_seconds)
     return out
 
 
@@ -360,12 +520,22 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: 
         str(staging_mb),
         "--io-threads",
         str(args.io_threads),
+        "--dev-chunk-mb",
+        str(args.dev_chunk_mb),
     ]
+    env = None
+    point = _point(mode)
+    if point and point[0] == "megatron-dev-chunked@":
+        # Dev's megatron ahead of any installed megatron-core (the child checks where it came from).
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [os.environ[DEV_DIR_ENV], os.environ.get("PYTHONPATH")])),
+        )
     if cgroup:
         # Join the cgroup before the benchmark process starts, so all its memory is charged there.
         cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *cmd]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             return {"mode": mode, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
         with open(result_path) as f:
@@ -397,6 +567,26 @@ def _available(mode: str, device: torch.device) -> str | None:
             import megatron.core  # noqa: F401
         except ImportError:
             return "needs megatron-core"
+    if mode.startswith("megatron-dev-chunked"):
+        if device.type != "cuda":
+            return "needs a GPU"
+        return _dev_checkout_missing()
+    return None
+
+
+def _dev_checkout_missing() -> str | None:
+    """Why ``$MEGATRON_DEV_DIR`` is no checkout with dev's chunked offload, or None. Read, not
+    imported: the driver keeps the installed megatron-core, the child imports the checkout."""
+    root = os.environ.get(DEV_DIR_ENV)
+    if not root:
+        return f"needs {DEV_DIR_ENV}: a Megatron-LM dev checkout with chunked optimizer-state offload (PR #6244)"
+    try:
+        with open(os.path.join(root, DEV_CONFIG_FILE)) as f:
+            config = f.read()
+    except OSError:
+        return f"{DEV_DIR_ENV}={root} has no {DEV_CONFIG_FILE}: not a Megatron-LM checkout"
+    if DEV_CONFIG_FIELD not in config or not os.path.isfile(os.path.join(root, DEV_OFFLOADER_FILE)):
+        return f"{DEV_DIR_ENV}={root} lacks chunked optimizer-state offload (PR #6244: {DEV_OFFLOADER_FILE})"
     return None
 
 
@@ -454,6 +644,11 @@ def _targets(regimes: dict) -> dict:
             if point and point[0] == "megatron-cpu-offload@":
                 ours = f"placed@host{point[1]}"
                 points[f"{regime}: {mode} / {ours} (> 1)"] = ratio(get(regime, mode), get(regime, ours))
+            if point and point[0] == "megatron-dev-chunked@":
+                ours = f"placed@host{point[1]}"
+                points[f"{regime}: {mode} / {ours} (peer, no target; > 1: ours faster)"] = ratio(
+                    get(regime, mode), get(regime, ours)
+                )
     return (
         split
         | points
@@ -517,9 +712,16 @@ def _table(regimes: dict) -> str:
     return "\n".join(lines)
 
 
+PLOT_LABELS = {
+    "placed@host": "streamed (host + disk)",
+    "megatron-cpu-offload@": "Megatron HybridDeviceOptimizer",
+    "megatron-dev-chunked@": "Megatron dev chunked state offload (PR #6244)",
+}
+
+
 def plot(path: str) -> str:
     """Step time against the fraction of the state in host memory, per regime: the
-    placed points and Megatron's partial offload. Returns the PNG's path."""
+    placed points and Megatron's two partial offloads. Returns the PNG's path."""
     from bench.plotting import pyplot
 
     plt = pyplot()
@@ -534,7 +736,7 @@ def plot(path: str) -> str:
             if point is None or point[0] == "placed@gpu" or "step_seconds" not in r:
                 continue
             x = r.get("host_fraction", point[1] / 100)
-            label = "streamed (host + disk)" if point[0] == "placed@host" else "Megatron HybridDeviceOptimizer"
+            label = PLOT_LABELS[point[0]]
             series.setdefault(f"{label}, {regime}", []).append((x * 100, r["step_seconds"]))
         for label, points in series.items():
             points.sort()
@@ -587,9 +789,16 @@ def main(argv: list[str] | None = None) -> int:
         "--host-fractions",
         default="",
         help="placement points: percents of the state in host memory, e.g. 0,25,50,75,100 (with "
-        "megatron-cpu-offload at the same fractions in the roomy regime)",
+        "megatron-cpu-offload and megatron-dev-chunked at the same fractions in the roomy regime)",
     )
     parser.add_argument("--gpu-fractions", default="", help="placement points: percents of the state kept on the GPU")
+    parser.add_argument(
+        "--dev-chunk-mb",
+        type=int,
+        default=DEV_CHUNK_MB,
+        help=f"--optimizer-state-offload-chunk-size-mb of the megatron-dev-chunked points (default {DEV_CHUNK_MB}; "
+        "0: all selected moments at once)",
+    )
     parser.add_argument("--plot", metavar="JSON", help="draw a result file's placement points into a PNG beside it")
     parser.add_argument("--out", default="bench-results/optimizer_step.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -607,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-fractions / --gpu-fractions: percents from 0 to 100")
     if args.params <= 0 or args.steps <= 0:
         parser.error("--params and --steps must be positive")
+    if args.dev_chunk_mb < 0:
+        parser.error(f"--dev-chunk-mb {args.dev_chunk_mb}: MiB, 0 or more (0: no chunking)")
     if args.bucket_cap is None:
         args.bucket_cap = min(DEFAULT_BUCKET_CAP_ELEMENTS, -(-args.params // MIN_BUCKETS))
     if args.child:

@@ -4,6 +4,8 @@ business: nothing here is timed.)"""
 
 import json
 
+import torch
+
 from bench import optimizer_step
 
 
@@ -23,5 +25,32 @@ def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
         fraction = results[mode][f"{home}_fraction"]
         assert 0.3 < fraction <= 0.5, (mode, fraction)  # bucket granularity: at most the budget
         assert results[mode]["disk_bound_seconds"] > 0
-    # Megatron's partial offload sits beside them (skipped here: it needs a GPU).
+    # Megatron's partial offloads sit beside them (skipped here: they need a GPU). Dev's chunked
+    # offload has a point at every fraction (0 is its full disable), HybridDeviceOptimizer above 0.
     assert results["megatron-cpu-offload@50"]["skipped"] == "needs a GPU"
+    for percent in (0, 50, 100):
+        assert results[f"megatron-dev-chunked@{percent}"] == {
+            "mode": f"megatron-dev-chunked@{percent}",
+            "skipped": "needs a GPU",
+        }
+
+
+def test_dev_chunked_points_say_why_a_checkout_cannot_serve_them(tmp_path, monkeypatch):
+    gpu = torch.device("cuda")  # a device name only: nothing touches a GPU
+    mode = "megatron-dev-chunked@50"
+    monkeypatch.delenv(optimizer_step.DEV_DIR_ENV, raising=False)
+    assert optimizer_step.DEV_DIR_ENV in optimizer_step._available(mode, gpu)
+    monkeypatch.setenv(optimizer_step.DEV_DIR_ENV, str(tmp_path))
+    assert "not a Megatron-LM checkout" in optimizer_step._available(mode, gpu)
+    config = tmp_path / optimizer_step.DEV_CONFIG_FILE
+    config.parent.mkdir(parents=True)
+    config.write_text("class OptimizerConfig:\n    optimizer_cpu_offload: bool = False\n")
+    assert "lacks chunked optimizer-state offload" in optimizer_step._available(mode, gpu)
+    config.write_text("class OptimizerConfig:\n    chunked_optimizer_state_offload: bool = False\n")
+    offloader = tmp_path / optimizer_step.DEV_OFFLOADER_FILE
+    offloader.parent.mkdir()
+    offloader.write_text("")
+    assert optimizer_step._available(mode, gpu) is None
+    # What it pins on purpose raises a constrained cgroup: fp32 main and moments of its fraction.
+    assert optimizer_step._pinned_bytes(mode, 1000) == int(0.5 * 12 * 1000 * 1.05)
+    assert optimizer_step._pinned_bytes("megatron-dev-chunked@0", 1000) == 0
