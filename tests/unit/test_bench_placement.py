@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from bench import optimizer_step
+from bench import megatron_dev, optimizer_step
 
 
 def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
@@ -38,16 +38,16 @@ def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
 def test_dev_chunked_points_say_why_a_checkout_cannot_serve_them(tmp_path, monkeypatch):
     gpu = torch.device("cuda")  # a device name only: nothing touches a GPU
     mode = "megatron-dev-chunked@50"
-    monkeypatch.delenv(optimizer_step.DEV_DIR_ENV, raising=False)
-    assert optimizer_step.DEV_DIR_ENV in optimizer_step._available(mode, gpu)
-    monkeypatch.setenv(optimizer_step.DEV_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(megatron_dev.DEV_DIR_ENV, raising=False)
+    assert megatron_dev.DEV_DIR_ENV in optimizer_step._available(mode, gpu)
+    monkeypatch.setenv(megatron_dev.DEV_DIR_ENV, str(tmp_path))
     assert "not a Megatron-LM checkout" in optimizer_step._available(mode, gpu)
-    config = tmp_path / optimizer_step.DEV_CONFIG_FILE
+    config = tmp_path / megatron_dev.DEV_CONFIG_FILE
     config.parent.mkdir(parents=True)
     config.write_text("class OptimizerConfig:\n    optimizer_cpu_offload: bool = False\n")
     assert "lacks chunked optimizer-state offload" in optimizer_step._available(mode, gpu)
     config.write_text("class OptimizerConfig:\n    chunked_optimizer_state_offload: bool = False\n")
-    offloader = tmp_path / optimizer_step.DEV_OFFLOADER_FILE
+    offloader = tmp_path / megatron_dev.DEV_OFFLOADER_FILE
     offloader.parent.mkdir()
     offloader.write_text("")
     assert optimizer_step._available(mode, gpu) is None
