@@ -582,7 +582,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     # from what the stores before it (dense first) left. "auto" is measured once for
     # the rank: the host's here, the GPU's by one AutoGpuBudget all stores share.
     config = auto_budget.resolve_host(config)
-    auto_gpu = AutoGpuBudget(config.auto_gpu_margin_bytes) if config.gpu_budget_bytes == AUTO else None
+    auto_gpu = AutoGpuBudget.for_process(config.auto_gpu_margin_bytes) if config.gpu_budget_bytes == AUTO else None
     budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     bindings: list[MegatronBinding] = []
     try:

@@ -123,7 +123,7 @@ class StreamingStore:
         self.auto_gpu = None
         if config.gpu_budget_bytes == AUTO:
             # The rank's stores share one (a Megatron chain); the buckets start below it.
-            self.auto_gpu = auto_gpu or AutoGpuBudget(config.auto_gpu_margin_bytes)
+            self.auto_gpu = auto_gpu or AutoGpuBudget.for_process(config.auto_gpu_margin_bytes)
             config = dataclasses.replace(config, gpu_budget_bytes=0)
         self.config = config
         self.entries = list(entries)
@@ -458,8 +458,14 @@ class StreamingStore:
     def offload_device_home(self) -> None:
         """Move the ``gpu`` home's buckets to pinned host memory and free their device
         memory (an RL rollout phase wants the GPU); :meth:`restore_device_home`
-        brings them back. A step in between still works, over PCIe."""
+        brings them back. A step in between still works, over PCIe. With an auto
+        GPU budget the buckets go back to their places below instead (no memory
+        pinned), and the budget sizes the home again after the next step."""
         self._settle()
+        if self.auto_gpu is not None:
+            # Each bucket there has its place below: give them back, pinning nothing more.
+            self.auto_gpu.released(self.move_from_gpu_home(self.home_bytes["gpu"]))
+            return
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None:
             device_home.to_host(pin=torch.cuda.is_available())
@@ -503,6 +509,8 @@ class StreamingStore:
         if self._closed:
             return
         self._pipeline.drop_prefetch()
+        if self.auto_gpu is not None:
+            self.auto_gpu.unregister(self)
         self._shut_down()
 
     def _shut_down(self) -> None:

@@ -33,19 +33,33 @@ class SimulatedDevice:
         self.held = lambda: 0
         self._peak = activity
 
-    def peak(self) -> int:
+    def limit(self) -> int:
+        return self.total
+
+    def used(self) -> int:
         self._peak = max(self._peak, self.activity + self.held())
         return self._peak
-
-    def headroom(self) -> int:
-        return self.total - self.peak()
 
     def grow(self, nbytes: int) -> None:
         """The forward/backward peak grew (a larger batch)."""
         self.activity += nbytes
 
+    def reset_peak(self) -> None:
+        """What ``torch.cuda.reset_peak_memory_stats`` does: the peak restarts from now."""
+        self._peak = self.held()
 
-def _auto(tmp_path, name="rank0", margin=GiB, **config):
+
+@pytest.fixture(autouse=True)
+def one_budget_per_test():
+    """The process's budget (shared by its stores) starts over with each test, even a failed one."""
+    yield
+    auto_budget._PROCESS_BUDGET = None
+
+
+MARGIN = 16 << 10  # bytes: the test model's buckets are 8 to 36 KiB; growth below 2 KiB is noise
+
+
+def _auto(tmp_path, name="rank0", margin=MARGIN, **config):
     """A streamed run with an auto GPU budget, before its first step."""
     model, optimizer, scheduler, streamed = fresh(
         tmp_path, name, bucket_cap_elements=CAP, gpu_budget_bytes="auto", auto_gpu_margin_bytes=margin, **config
@@ -65,7 +79,7 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     model, optimizer, scheduler, streamed = _auto(tmp_path, tier=tier)
     store = streamed.store
     sizes = [b.file_size for b in store.buckets]
-    device = SimulatedDevice(headroom=GiB + sizes[-1] + sizes[-2] + sizes[-3] // 2)
+    device = SimulatedDevice(headroom=MARGIN + sizes[-1] + sizes[-2] + sizes[-3] // 2)
     device.held = lambda: store.home_bytes["gpu"]
     store.auto_gpu.memory = device
     assert store.placement["gpu"] == 0  # nobody knows the forward/backward peak before a step
@@ -76,6 +90,7 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     assert store._pipeline.drain_before <= min(_gpu_run(store))  # disk writes drain before in-place updates
     train(model, optimizer, scheduler, range(1, 5))
     assert len(_gpu_run(store)) == 2  # a steady peak moves nothing
+    assert sizes[-2] // 2 > MARGIN // 8, "the growth below must not be noise"
     device.grow(sizes[-2] // 2)  # a larger batch: half a bucket more at the peak
     train(model, optimizer, scheduler, range(5, 6))
     assert _gpu_run(store) == [len(sizes) - 1] and "grew by" in caplog.text
@@ -89,7 +104,7 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
 def test_growth_beyond_what_the_device_holds_gives_back_everything_and_says_so(tmp_path, caplog):
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     store = streamed.store
-    device = SimulatedDevice(headroom=GiB + 3 * max(b.file_size for b in store.buckets))
+    device = SimulatedDevice(headroom=MARGIN + 3 * max(b.file_size for b in store.buckets))
     device.held = lambda: store.home_bytes["gpu"]
     store.auto_gpu.memory = device
     train(model, optimizer, scheduler, range(0, 2))
@@ -152,6 +167,64 @@ def test_a_checkpoint_resumes_byte_identical_across_an_auto_placement(tmp_path, 
     streamed.close()
 
 
+def test_small_growth_is_noise_until_it_adds_up_and_a_reset_peak_is_warned_about(tmp_path, caplog):
+    model, optimizer, scheduler, streamed = _auto(tmp_path)
+    store = streamed.store
+    device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    train(model, optimizer, scheduler, range(0, 1))
+    everything = len(store.buckets)
+    assert store.placement["gpu"] == everything
+    noise = MARGIN // 8 * 3 // 4
+    device.grow(noise)  # allocator rounding: nothing moves
+    train(model, optimizer, scheduler, range(1, 2))
+    assert store.placement["gpu"] == everything and "grew by" not in caplog.text
+    device.grow(noise)  # twice that is growth: the first device bucket goes back
+    train(model, optimizer, scheduler, range(2, 3))
+    assert store.placement["gpu"] == everything - 1 and "grew by" in caplog.text
+    device.reset_peak()  # someone reset the allocator's peak statistics: rebased, not mistaken for room
+    train(model, optimizer, scheduler, range(3, 4))
+    assert store.placement["gpu"] == everything - 1 and "peak statistics were reset" in caplog.text
+    train(model, optimizer, scheduler, range(4, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_an_offload_gives_buckets_back_pinning_nothing_and_the_next_step_refills(tmp_path):
+    model, optimizer, scheduler, streamed = _auto(tmp_path)
+    store = streamed.store
+    device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    train(model, optimizer, scheduler, range(0, 2))
+    moved = store.placement["gpu"]
+    assert moved == len(store.buckets)
+    store.offload_device_home()  # an RL rollout wants the GPU
+    assert store.placement["gpu"] == 0 and not store._backing.by_key["gpu"].offloaded
+    store.restore_device_home()
+    train(model, optimizer, scheduler, range(2, 3))
+    # The peak statistics still count the bytes given back: the refill counts them as free again.
+    assert store.placement["gpu"] == moved
+    train(model, optimizer, scheduler, range(3, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_a_process_s_stores_share_one_budget_until_the_last_closes(tmp_path):
+    first = _auto(tmp_path / "a", name="a")[3]
+    second = _auto(tmp_path / "b", name="b")[3]
+    assert first.store.auto_gpu is second.store.auto_gpu
+    assert first.store.auto_gpu.stores == [first.store, second.store]
+    first.close()
+    assert second.store.auto_gpu.stores == [second.store]
+    budget = second.store.auto_gpu
+    second.close()
+    third = _auto(tmp_path / "c", name="c")[3]
+    assert third.store.auto_gpu is not budget  # the last close started it over
+    third.close()
+
+
 def test_on_a_cpu_device_without_allocator_statistics_nothing_moves_and_the_log_says_why(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.auto_budget")
     model, optimizer, scheduler, streamed = _auto(tmp_path)
@@ -163,11 +236,12 @@ def test_on_a_cpu_device_without_allocator_statistics_nothing_moves_and_the_log_
 def test_the_host_budget_is_what_memory_and_the_cgroup_leave_less_the_margin_per_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     budget, why = host_budget(8 * GiB, available=100 * GiB, room=None)
-    assert budget == (100 - 8) * GiB // 4 and "4 ranks" in why and "no cgroup" in why
+    assert budget == (100 - 8) * GiB // 4 and "4 ranks" in why and "no cgroup" in why and "LOCAL_WORLD_SIZE" in why
     budget, why = host_budget(8 * GiB, available=100 * GiB, room=40 * GiB)
-    assert budget == (40 - 8) * GiB // 4 and "memory.max" in why
+    assert budget == (40 - 8) * GiB // 4 and "cgroup's limit" in why
     assert host_budget(8 * GiB, available=4 * GiB, room=None)[0] == 0  # less than the margin: nothing
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     measured, _ = host_budget(0)  # this machine's own numbers
     assert 0 < measured <= auto_budget._meminfo_bytes("MemAvailable") * 2  # it moves while we read
 
@@ -184,8 +258,28 @@ def test_cgroup_room_is_the_tightest_limit_on_the_path_to_the_root(tmp_path):
     assert cgroup_room(str(proc), str(root)) == 700
     (leaf / "memory.max").write_text("500")
     assert cgroup_room(str(proc), str(root)) == 300
-    proc.write_text("12:memory:/v1-only\n")
+    proc.write_text("12:cpu,cpuacct:/x\n")  # no memory controller anywhere
     assert cgroup_room(str(proc), str(root)) is None
+    # cgroup v1's memory controller (Slurm's --mem on many clusters); its "no limit" is a huge number.
+    v1 = root / "memory" / "slurm" / "job"
+    v1.mkdir(parents=True)
+    for directory, limit, usage in ((root / "memory" / "slurm", str(2**63 - 4096), "10"), (v1, "900", "100")):
+        (directory / "memory.limit_in_bytes").write_text(limit)
+        (directory / "memory.usage_in_bytes").write_text(usage)
+    proc.write_text("4:memory:/slurm/job\n0::/\n")
+    assert cgroup_room(str(proc), str(root)) == 800
+
+
+@pytest.mark.parametrize(
+    "env, ranks",
+    [({"LOCAL_WORLD_SIZE": "8"}, 8), ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4), ({}, 1)],
+)
+def test_the_ranks_on_a_node_come_from_the_launcher_or_the_process_group(monkeypatch, env, ranks):
+    for variable in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    assert auto_budget.local_ranks()[0] == ranks
 
 
 def test_an_auto_host_budget_places_what_it_measured(tmp_path, monkeypatch, caplog):
