@@ -48,6 +48,17 @@ by what it pins on purpose. A placed point's bound is its disk bytes at the
 measured rates plus its host bytes at ``HOST_GBPS``. ``--plot JSON`` draws step
 time against the host fraction into a PNG beside it (needs matplotlib).
 
+``--auto`` adds ``auto`` and ``auto-growing``: pipelined-fp32 with both budgets
+measured (``auto_budget.py``) on a device capped at ``--auto-device-gib``
+(``set_per_process_memory_fraction``), with ``--auto-activation-gib`` allocated
+and freed between steps as a forward/backward would; ``auto-growing`` grows that by
+``--auto-growth-gib`` halfway through the timed steps (a larger batch; use
+``--steps`` 3 or more). In the constrained regime the host budget is what the
+cgroup's limit leaves (nothing is added to it for these modes). They record
+where the buckets were before each step and after the last; the targets compare
+``auto`` with disk only and say whether ``auto-growing`` stepped on and gave
+buckets back.
+
 Two regimes. *constrained*: the disk modes run inside a cgroup v2 whose
 ``memory.max`` is well below the state, so the page cache cannot hold it (the
 regime these runs live in; needs root and the memory controller, else it is
@@ -114,7 +125,13 @@ MODES: dict[str, dict | None] = {
     "host": dict(tier="host"),
     "host-rem": dict(tier="host", main_storage="remainder"),
     "megatron-cpu-offload": None,
+    # Both budgets measured (auto_budget.py) under a device capped at --auto-device-gib, with a
+    # forward/backward stand-in of --auto-activation-gib between steps; "auto-growing" grows it
+    # by --auto-growth-gib halfway through the timed steps (a larger batch).
+    "auto": dict(gpu_budget_bytes="auto", host_budget_bytes="auto"),
+    "auto-growing": dict(gpu_budget_bytes="auto", host_budget_bytes="auto"),
 }
+AUTO_MODES = ("auto", "auto-growing")
 REGIMES = {
     "constrained": [m for m in MODES if m.startswith(("sync", "pipelined"))],
     "roomy": ["resident", "sync-fp32", "pipelined-fp32", "host", "host-rem", "megatron-cpu-offload"],
@@ -163,14 +180,15 @@ def _pinned_bytes(mode: str, params: int) -> int:
     return int(percent / 100 * per_param * params * 1.05)
 
 
-def _modes_of(regime: str, host_fractions: list[int], gpu_fractions: list[int]) -> list[str]:
+def _modes_of(regime: str, host_fractions: list[int], gpu_fractions: list[int], auto: bool = False) -> list[str]:
     """A regime's modes, then its placement points (Megatron's offloads: roomy only; dev's
-    chunked offload at every fraction, 0 being its full disable)."""
+    chunked offload at every fraction, 0 being its full disable), then (``--auto``) the auto
+    modes: constrained, auto sizes the host home by the cgroup's limit."""
     points = [f"placed@host{p}" for p in host_fractions] + [f"placed@gpu{p}" for p in gpu_fractions]
     if regime == "roomy":
         points += [f"megatron-cpu-offload@{p}" for p in host_fractions if p > 0]
         points += [f"megatron-dev-chunked@{p}" for p in host_fractions]
-    return REGIMES[regime] + points
+    return REGIMES[regime] + points + (list(AUTO_MODES) if auto else [])
 
 
 # ---- the child: one mode, one process --------------------------------------------
@@ -220,17 +238,22 @@ def _sync(device: torch.device) -> None:
 
 
 def _timed_steps(
-    step: Callable[[], object], steps: int, device: torch.device, before: Callable[[], None] | None = None
+    step: Callable[[], object],
+    steps: int,
+    device: torch.device,
+    before: Callable[[], None] | None = None,
+    reset_peaks: bool = True,
 ) -> tuple[list[float], int]:
     """Seconds of each of ``steps`` steps, and the device peak over them. ``before`` runs ahead
     of each step, finished and outside the timing and the peak (what a training loop does
-    between two steps)."""
+    between two steps). Without ``reset_peaks`` the peak is the process's (an auto GPU budget
+    reads the allocator's peak: a reset would hide the forward/backward stand-in from it)."""
     seconds, peak = [], 0
     for _ in range(steps):
         if before is not None:
             before()
             _sync(device)
-        if device.type == "cuda":
+        if device.type == "cuda" and reset_peaks:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         step()
@@ -241,6 +264,33 @@ def _timed_steps(
     return seconds, peak
 
 
+def _auto_margins(args: argparse.Namespace) -> dict:
+    return {
+        "auto_gpu_margin_bytes": int(args.auto_gpu_margin_gib * 2**30),
+        "auto_host_margin_bytes": int(args.auto_host_margin_gib * 2**30),
+    }
+
+
+def _activations(mode: str, args: argparse.Namespace, device: torch.device, store, out: dict) -> Callable[[], None]:
+    """The auto modes' stand-in for a forward/backward between two steps: ``--auto-activation-gib``
+    allocated on the device and freed (what activations do to the allocator), growing by
+    ``--auto-growth-gib`` halfway through the timed steps in ``auto-growing``. Records where
+    the buckets were after each step (``placement_before_each_step``)."""
+    calls = []
+    out["placement_before_each_step"] = placements = []
+    grow_from = 1 + args.steps // 2  # the warm-up step's call is the first
+
+    def between() -> None:
+        grown = mode == "auto-growing" and len(calls) >= grow_from
+        nbytes = int((args.auto_activation_gib + (args.auto_growth_gib if grown else 0)) * 2**30)
+        calls.append(nbytes)
+        placements.append(store.placement)
+        if device.type == "cuda":
+            torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)  # touched, then freed
+
+    return between
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from miles_plugins.optimizers.adam import backend_for
     from miles_plugins.optimizers.config import StreamConfig
@@ -248,6 +298,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from miles_plugins.optimizers.store import StreamingStore
 
     device = torch.device(args.device)
+    if mode in AUTO_MODES and device.type == "cuda":
+        # A device that holds the model, its grads, the activations and a few GiB of state only.
+        torch.cuda.set_per_process_memory_fraction(args.auto_device_gib * 2**30 / torch.cuda.mem_get_info()[1])
     params, grads = _model(args.params, device)
     rss_before = _status("VmRSS")
     cache_before = _page_cache_bytes()
@@ -320,6 +373,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             staging_budget_mb=int(args.staging_mb),
             io_threads=args.io_threads,
             **_settings(mode, args.params),
+            **(_auto_margins(args) if mode in AUTO_MODES else {}),
         )
         store = StreamingStore(
             entries,
@@ -340,16 +394,20 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             placement=store.placement,
             home_bytes=store.home_bytes,
         )
+        if mode in AUTO_MODES:
+            between = _activations(mode, args, device, store, out)
 
     rss_setup = _status("VmRSS")
     with torch.no_grad():
+        if mode in AUTO_MODES:
+            between()  # a forward/backward before the first step, whose peak auto sizes the GPU home by
         step()  # the warm-up step: creates the moments (and loads the kernels)
         _sync(device)
         rss_warm = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM restarts from here: the peak of the timed steps alone
         cache_steps = _page_cache_bytes()
-        seconds, peak = _timed_steps(step, args.steps, device, before=between)
+        seconds, peak = _timed_steps(step, args.steps, device, before=between, reset_peaks=mode not in AUTO_MODES)
     out.update(
         step_seconds=statistics.median(seconds),
         step_seconds_all=seconds,
@@ -367,11 +425,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             bytes_per_param_read=store.last_step.bytes_read / args.params,
             bytes_per_param_written=store.last_step.bytes_written / args.params,
             state_residency_bytes=store.accounted_max_state_bytes,
+            placement_after=store.placement,
         )
         store.close()
     elif mode == "resident":
         out["state_residency_bytes"] = 12 * args.params
-    if between is not None:
+    if mode.startswith("megatron-dev-chunked"):
         out["offload_for_forward_seconds"] = statistics.median(forward_seconds)
     return out
 
@@ -415,6 +474,8 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: 
         "--dev-chunk-mb",
         str(args.dev_chunk_mb),
     ]
+    for name in ("device", "activation", "growth", "gpu_margin", "host_margin"):
+        cmd += [f"--auto-{name.replace('_', '-')}-gib", str(getattr(args, f"auto_{name}_gib"))]
     env = None
     point = _point(mode)
     if point and point[0] == "megatron-dev-chunked@":
@@ -527,10 +588,22 @@ def _targets(regimes: dict) -> dict:
                 points[f"{regime}: {mode} / {ours} (peer, no target; > 1: ours faster)"] = ratio(
                     get(regime, mode), get(regime, ours)
                 )
+    growing = regimes.get("constrained", {}).get("auto-growing")
+    if growing and "skipped" not in growing:
+        points["constrained: auto-growing stepped on after its activations grew (1: no OOM)"] = float(
+            "step_seconds" in growing
+        )
+        filled = (growing.get("placement_before_each_step") or [{}, {}])[1].get("gpu")
+        points["constrained: auto-growing gpu buckets at the end / after the fill (< 1: gave back)"] = ratio(
+            (growing.get("placement_after") or {}).get("gpu"), filled
+        )
     return (
         split
         | points
         | {
+            "constrained: pipelined-fp32 (disk only) / auto (> 1)": ratio(
+                get("constrained", "pipelined-fp32"), get("constrained", "auto")
+            ),
             "constrained: pipelined-fp32 step / disk bound (<= 1.1)": get(
                 "constrained", "pipelined-fp32", "ratio_to_disk_bound"
             ),
@@ -678,6 +751,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{megatron_dev.DEV_CHUNK_MB}; "
         "0: all selected moments at once)",
     )
+    parser.add_argument(
+        "--auto", action="store_true", help="add the auto modes (measured budgets) to the constrained regime"
+    )
+    parser.add_argument("--auto-device-gib", type=float, default=24.0, help="auto modes: the device cap (GiB)")
+    parser.add_argument("--auto-activation-gib", type=float, default=4.0, help="auto modes: activations (GiB)")
+    parser.add_argument("--auto-growth-gib", type=float, default=1.0, help="auto-growing: activation growth (GiB)")
+    parser.add_argument("--auto-gpu-margin-gib", type=float, default=2.0, help="auto modes: GPU margin (GiB)")
+    parser.add_argument("--auto-host-margin-gib", type=float, default=1.0, help="auto modes: host margin (GiB)")
     parser.add_argument("--plot", metavar="JSON", help="draw a result file's placement points into a PNG beside it")
     parser.add_argument("--out", default="bench-results/optimizer_step.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -762,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
             report["memory_max_bytes"] = limit
         results = {}
         try:
-            for mode in _modes_of(regime, host_fractions, gpu_fractions):
-                if mode not in wanted and not _point(mode):
+            for mode in _modes_of(regime, host_fractions, gpu_fractions, args.auto):
+                if mode not in wanted and not _point(mode) and mode not in AUTO_MODES:
                     continue
                 why = _available(mode, torch.device(args.device))
                 if why:

@@ -54,3 +54,19 @@ def test_dev_chunked_points_say_why_a_checkout_cannot_serve_them(tmp_path, monke
     # What it pins on purpose raises a constrained cgroup: fp32 main and moments of its fraction.
     assert optimizer_step._pinned_bytes(mode, 1000) == int(0.5 * 12 * 1000 * 1.05)
     assert optimizer_step._pinned_bytes("megatron-dev-chunked@0", 1000) == 0
+
+
+def test_auto_modes_measure_their_budgets_and_record_where_buckets_were(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--params", "400000", "--steps", "3", "--regimes", "roomy", "--modes", "pipelined-fp32", "--auto"]
+    argv += ["--auto-host-margin-gib", "0", "--dir", str(tmp_path / "state"), "--out", str(out)]
+    assert optimizer_step.main(argv) == 0
+    results = json.loads(out.read_text())["regimes"]["roomy"]
+    for mode in ("auto", "auto-growing"):
+        r = results[mode]
+        assert "step_seconds" in r, r
+        # The host budget came from this machine's available memory: the small state fits there.
+        assert r["placement"] == {"gpu": 0, "host": r["buckets"], "disk": 0}, r
+        # One record before the warm-up step and one before each timed step; on the CPU
+        # nothing moves to the device home.
+        assert len(r["placement_before_each_step"]) == 4 and r["placement_after"]["gpu"] == 0
