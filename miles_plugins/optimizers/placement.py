@@ -24,10 +24,11 @@ backing and its own I/O threads in the engine (``io_queue``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 
@@ -240,6 +241,52 @@ class PlacedBacking:
     def release(self) -> None:
         for backing in self.by_key.values():
             backing.release()
+
+
+def move_to_device_home(
+    placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], budget: int, staging: HostMemory
+) -> int:
+    """Move buckets into the ``gpu`` home, from the last one a step visits that is not
+    there backwards (the home stays one run at the end), while their stored sizes fit
+    ``budget``; returns the bytes moved. A bucket whose device memory cannot be had
+    stops it, with a warning: a step never fails for it."""
+    moved = 0
+    for bucket in _run_of(placed, reversed(buckets), lambda home: home != "gpu"):
+        if bucket.file_size > budget - moved:
+            break
+        try:
+            backing.move_to_device(bucket, staging)
+        except Exception as exc:
+            logger.warning("auto GPU budget: bucket %d stays where it is: %s", bucket.index, exc)
+            break
+        placed.move(bucket.index, "gpu")
+        moved += bucket.file_size
+    return moved
+
+
+def move_from_device_home(
+    placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], nbytes: int, staging: HostMemory
+) -> int:
+    """Give buckets of the ``gpu`` home back to their places below, first visited
+    first, until ``nbytes`` are freed (or none are left); returns the bytes freed."""
+    freed = 0
+    for bucket in _run_of(placed, buckets, lambda home: home == "gpu"):
+        if freed >= nbytes:
+            break
+        try:
+            below = backing.move_back(bucket, staging)
+        except Exception as exc:
+            logger.warning("auto GPU budget: bucket %d stays on the device: %s", bucket.index, exc)
+            break
+        placed.move(bucket.index, "host" if below == "host" else "disk")
+        freed += bucket.file_size
+    return freed
+
+
+def _run_of(placed: Placement, buckets, wanted) -> Iterator[BucketLayout]:
+    """The first run of ``buckets`` whose home is ``wanted``."""
+    run = itertools.dropwhile(lambda b: not wanted(placed.homes[b.index]), buckets)
+    return itertools.takewhile(lambda b: wanted(placed.homes[b.index]), run)
 
 
 def _copy(handle, buffer: torch.Tensor, staging: HostMemory, to_buffer: bool) -> None:

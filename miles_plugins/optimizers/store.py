@@ -19,7 +19,6 @@ checkpoints (``persistence.py``), files and directories (``fs.py``,
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +42,12 @@ from miles_plugins.optimizers.layout import (
 )
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import PlacedBacking, Placement
+from miles_plugins.optimizers.placement import (
+    PlacedBacking,
+    Placement,
+    move_from_device_home,
+    move_to_device_home,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -313,52 +317,23 @@ class StreamingStore:
     # ---- auto GPU budget (auto_budget.py) --------------------------------------
 
     def move_to_gpu_home(self, budget: int) -> int:
-        """Move buckets into the ``gpu`` home, from the last one a step visits that is not
-        there backwards, while their stored sizes fit ``budget``; returns the bytes moved.
-        A bucket whose device memory cannot be had stops it, with a warning: a step
-        never fails for it. Call between steps."""
-        moved = 0
-        for bucket in self._movable(reversed(self.buckets), lambda home: home != "gpu"):
-            if bucket.file_size > budget - moved:
-                break
-            try:
-                self._backing.move_to_device(bucket, self._engine.idle_buffer())
-            except Exception as exc:
-                logger.warning("auto GPU budget: bucket %d stays where it is: %s", bucket.index, exc)
-                break
-            self.placed.move(bucket.index, "gpu")
-            moved += bucket.file_size
-        self._pipeline.drain_before = self._first_written_in_place()
-        return moved
+        """Move buckets into the ``gpu`` home while their stored sizes fit ``budget``
+        (``placement.move_to_device_home``); returns the bytes moved. Call between steps."""
+        return self._move(move_to_device_home, budget)
 
     def move_from_gpu_home(self, nbytes: int) -> int:
-        """Give buckets of the ``gpu`` home back to their places below, first visited
-        first, until ``nbytes`` of device memory are freed (or none are left); returns
-        the bytes freed. Call between steps."""
-        freed = 0
-        for bucket in self._movable(self.buckets, lambda home: home == "gpu"):
-            if freed >= nbytes:
-                break
-            try:
-                below = self._backing.move_back(bucket, self._engine.idle_buffer())
-            except Exception as exc:
-                logger.warning("auto GPU budget: bucket %d stays on the device: %s", bucket.index, exc)
-                break
-            self.placed.move(bucket.index, "host" if below == "host" else "disk")
-            freed += bucket.file_size
-        self._pipeline.drain_before = self._first_written_in_place()
-        return freed
+        """Give buckets of the ``gpu`` home back to their places below until ``nbytes``
+        are freed (``placement.move_from_device_home``); returns the bytes freed."""
+        return self._move(move_from_device_home, nbytes)
 
-    def _movable(self, buckets, wanted) -> Iterator[BucketLayout]:
-        """The first run of ``buckets`` whose home is ``wanted``: walked from either end,
-        the gpu home stays one run at the end. None while the device home is offloaded."""
-        self._settle()
+    def _move(self, move, nbytes: int) -> int:
+        self._settle()  # nothing prefetched may read a bucket whose place changes
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None and device_home.offloaded:
-            return
-        homes = self.placed.homes
-        run = itertools.dropwhile(lambda b: not wanted(homes[b.index]), buckets)
-        yield from itertools.takewhile(lambda b: wanted(homes[b.index]), run)
+            return 0
+        done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer())
+        self._pipeline.drain_before = self._first_written_in_place()
+        return done
 
     def _update(self, flight: Flight) -> None:
         """The Adam update of one materialized bucket; its mains then go to the model."""
