@@ -53,8 +53,8 @@ measured (``auto_budget.py``) on a device capped at ``--auto-device-gib``
 (``set_per_process_memory_fraction``), with ``--auto-activation-gib`` allocated
 and freed between steps as a forward/backward would; ``auto-growing`` grows that by
 ``--auto-growth-gib`` halfway through the timed steps (a larger batch; use
-``--steps`` 3 or more). In the constrained regime the host budget is what the
-cgroup's limit leaves (nothing is added to it for these modes). They record
+``--steps`` 3 or more). They run in each regime; in the constrained one the host
+budget is what the cgroup's limit leaves (nothing is added to it for these modes). They record
 where the buckets were before each step and after the last; the targets compare
 ``auto`` with disk only and say whether ``auto-growing`` stepped on and gave
 buckets back.
@@ -594,6 +594,7 @@ def _targets(regimes: dict) -> dict:
             "step_seconds" in growing
         )
         filled = (growing.get("placement_before_each_step") or [{}, {}])[1].get("gpu")
+        points["constrained: auto-growing gpu buckets after the fill (> 0: the device took some)"] = filled
         points["constrained: auto-growing gpu buckets at the end / after the fill (< 1: gave back)"] = ratio(
             (growing.get("placement_after") or {}).get("gpu"), filled
         )
@@ -751,9 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{megatron_dev.DEV_CHUNK_MB}; "
         "0: all selected moments at once)",
     )
-    parser.add_argument(
-        "--auto", action="store_true", help="add the auto modes (measured budgets) to the constrained regime"
-    )
+    parser.add_argument("--auto", action="store_true", help="add the auto modes (measured budgets) to each regime")
     parser.add_argument("--auto-device-gib", type=float, default=24.0, help="auto modes: the device cap (GiB)")
     parser.add_argument("--auto-activation-gib", type=float, default=4.0, help="auto modes: activations (GiB)")
     parser.add_argument("--auto-growth-gib", type=float, default=1.0, help="auto-growing: activation growth (GiB)")

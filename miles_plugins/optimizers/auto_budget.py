@@ -10,23 +10,20 @@ in the margin.
 
 GPU (:class:`AutoGpuBudget`), after the first step: until then nobody knows the
 forward/backward peak, so every bucket starts in its host or disk home. Once
-every store of the rank has stepped, the device's largest use so far (the
-allocator's ``max_memory_reserved``, plus what other processes, NCCL and the
-CUDA context hold now), against what the process may use
-(``set_per_process_memory_fraction``'s cap), says what the step never needed;
-less the margin, that is the pool. Buckets move to the device from the last one
-a step visits backwards, as with a fixed budget. A bucket that moves keeps its
-place below (its files, or its host buffer), so giving it back never needs
-memory: after each later step, if the use grew past what was seen by more than
+every store sharing the device's budget has stepped, the room the process had at
+its peak (:meth:`CudaMemory.room`), less the margin, is filled from the last
+bucket a step visits backwards, as with a fixed budget. A bucket that moves
+keeps its place below (its files, or its host buffer), so giving it back never
+needs memory: after each later step, if the room at the peak shrank by more than
 an eighth of the margin (a larger batch, longer sequences, a new NCCL
-communicator), buckets go back to their places until the growth is covered,
+communicator), buckets go back to their places until the shrink is covered,
 with a warning. The moves run between steps, on the training thread, through
 one staging chunk: the step they follow takes that much longer.
 
 What it cannot see: a growth larger than the margin within one step (the
 allocation that fails is the model's own: size the margin for it), phases that
-did not run before the first step (a checkpoint save, an evaluation), and peaks
-hidden by ``torch.cuda.reset_peak_memory_stats`` (warned about when seen).
+did not run before the first step (a checkpoint save, an evaluation), and a peak
+reached only before ``torch.cuda.reset_peak_memory_stats`` (warned about once).
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import dataclasses
 import logging
 import os
 import socket
+import weakref
 from typing import Protocol
 
 import torch
@@ -57,10 +55,10 @@ def _meminfo_bytes(field: str, path: str = "/proc/meminfo") -> int:
 
 def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
     """Bytes this process's memory cgroup (and its ancestors) may still charge before a
-    limit is hit: the least ``limit - usage`` along the path, under cgroup v2
-    (``memory.max``, ``memory.current``) or v1's memory controller
-    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``, mounted at ``root/memory``);
-    None where no limit applies or no memory cgroup is found."""
+    limit is hit: the least ``limit - (usage - inactive file cache)`` along the path
+    (the kernel reclaims that cache before it kills), under cgroup v2 (``memory.max``,
+    ``memory.current``, ``memory.stat``) or v1's memory controller (mounted at
+    ``root/memory``); None where no limit applies or no memory cgroup is found."""
     try:
         with open(proc_cgroup) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f]
@@ -68,14 +66,15 @@ def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
         return None
     v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
     if v1 is not None:
-        return _room_along(os.path.join(root, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes")
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        return _room_along(os.path.join(root, "memory"), v1, *files)
     v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and not controllers), None)
     if v2 is not None:
-        return _room_along(root, v2, "memory.max", "memory.current")
+        return _room_along(root, v2, "memory.max", "memory.current", "inactive_file")
     return None
 
 
-def _room_along(root: str, path: str, limit_file: str, usage_file: str) -> int | None:
+def _room_along(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
     room = None
     directory = os.path.join(root, path.lstrip("/"))
     while True:
@@ -88,35 +87,61 @@ def _room_along(root: str, path: str, limit_file: str, usage_file: str) -> int |
             limit = "max"
         # v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages): count it as none.
         if limit != "max" and int(limit) < 1 << 60:
-            left = max(0, int(limit) - usage)
+            left = max(0, int(limit) - usage + _stat(directory, inactive_key))
             room = left if room is None else min(room, left)
         if os.path.normpath(directory) == os.path.normpath(root) or not directory.startswith(root):
             return room
         directory = os.path.dirname(directory)
 
 
-def local_ranks() -> tuple[int, str]:
-    """Ranks sharing this node's host memory, and how that was found: torchrun's
-    ``LOCAL_WORLD_SIZE``, Slurm's ``SLURM_NTASKS_PER_NODE``, else (an initialized
-    process group: every rank calls this) the ranks that report this host's name;
-    else 1, this process alone."""
-    for variable in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(variable, "").split("(")[0]  # Slurm may write "8(x2)"
-        if value.isdigit() and int(value) > 0:
-            return int(value), variable
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        hosts = [None] * torch.distributed.get_world_size()
+def _stat(directory: str, key: str) -> int:
+    """One counter of a cgroup's ``memory.stat`` (0 where it is not there)."""
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def local_ranks(group: bool = False) -> tuple[int, str]:
+    """Ranks sharing this node's host memory, and how that was found.
+
+    ``group``: every rank of an initialized process group is here at once (Megatron's
+    ``attach``), so the ranks that report this host's name are counted, exactly (a
+    collective; it also keeps a rank from pinning before the slowest has measured).
+    Otherwise no collective is safe: torchrun's ``LOCAL_WORLD_SIZE``; else, with a
+    process group of several ranks, one rank per visible GPU (at most the world);
+    else Slurm's ``SLURM_NTASKS_PER_NODE``; else 1, this process alone."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if group and world > 1:
+        hosts = [None] * world
         torch.distributed.all_gather_object(hosts, socket.gethostname())
         return hosts.count(socket.gethostname()), "ranks on this host in the process group"
-    return 1, "one process: no LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE or process group"
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value), "LOCAL_WORLD_SIZE"
+    if world > 1:
+        return min(world, max(1, torch.cuda.device_count())), "one rank per GPU of this node"
+    value = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # Slurm may write "8(x2)"
+    if value.isdigit() and int(value) > 0:
+        return int(value), "SLURM_NTASKS_PER_NODE"
+    return 1, "one process: no process group, LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE"
 
 
-def host_budget(margin_bytes: int, *, available: int | None = None, room: int | None = None) -> tuple[int, str]:
-    """This rank's share of the host memory pinned state may take, and why (for the log)."""
+def host_budget(
+    margin_bytes: int, *, available: int | None = None, room: int | None = None, group: bool = False
+) -> tuple[int, str]:
+    """This rank's share of the host memory pinned state may take, and why (for the log).
+    Measured before the ranks are counted: with ``group`` that count is a collective,
+    so no rank pins its share before every rank has measured."""
     available = _meminfo_bytes("MemAvailable") if available is None else available
     room = cgroup_room() if room is None else room
     usable = available if room is None else min(available, room)
-    ranks, counted = local_ranks()
+    ranks, counted = local_ranks(group)
     budget = max(0, usable - margin_bytes) // ranks
     limit = "no cgroup memory limit" if room is None else f"{room / GB:.1f} GB left under the cgroup's limit"
     why = (
@@ -126,11 +151,11 @@ def host_budget(margin_bytes: int, *, available: int | None = None, room: int | 
     return budget, why
 
 
-def resolve_host(config):
+def resolve_host(config, group: bool = False):
     """``config`` with an ``"auto"`` host budget measured (:func:`host_budget`), logged."""
     if config.host_budget_bytes != AUTO:
         return config
-    budget, why = host_budget(config.auto_host_margin_bytes)
+    budget, why = host_budget(config.auto_host_margin_bytes, group=group)
     logger.info("auto host budget: %.2f GB of pinned host memory for this rank (%s)", budget / GB, why)
     return dataclasses.replace(config, host_budget_bytes=budget)
 
@@ -138,11 +163,18 @@ def resolve_host(config):
 class DeviceMemory(Protocol):
     """What :class:`AutoGpuBudget` reads of the device (:class:`CudaMemory` on CUDA)."""
 
-    def limit(self) -> int:
-        """The most this process may use of the device."""
+    def peak(self) -> int:
+        """This process's largest reservation so far (``max_memory_reserved``): only a
+        reset of the allocator's statistics makes it smaller."""
 
-    def used(self) -> int:
-        """The largest use so far: this process's peak plus what others hold now."""
+    def room(self) -> int:
+        """What this process could still reserve at that peak: the least of its cap
+        (``set_per_process_memory_fraction``, which counts only its own reservations)
+        and the device less the most others have held, less the peak."""
+
+    def release_cache(self) -> None:
+        """Give the allocator's cached free blocks back, so what is allocated next
+        gets blocks of its own rather than pieces of the activations' cached ones."""
 
 
 class CudaMemory:
@@ -150,52 +182,63 @@ class CudaMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._others = 0  # the most the CUDA context, NCCL and other processes have held, seen
 
-    def limit(self) -> int:
-        total = torch.cuda.mem_get_info(self.device)[1]
-        # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
-        return min(total, int(total * torch.cuda.get_per_process_memory_fraction(self.device)))
+    def peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
 
-    def used(self) -> int:
+    def room(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # the CUDA context, NCCL, other processes
-        return torch.cuda.max_memory_reserved(self.device) + others
+        self._others = max(self._others, total - free - torch.cuda.memory_reserved(self.device))
+        # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
+        capped = int(total * torch.cuda.get_per_process_memory_fraction(self.device))
+        return min(capped, total - self._others) - self.peak()
+
+    def release_cache(self) -> None:
+        torch.cuda.empty_cache()
 
 
 class AutoGpuBudget:
-    """The ``gpu`` home's measured budget, shared by a process's stores (a Megatron
-    chain has two; :meth:`for_process`). Stores call :meth:`after_step` after each
-    step; the work happens after the last registered store's, once per training
-    step: the first time, fill the device up to the margin; after that, when the
-    use grew past what was seen by more than an eighth of the margin (allocator
-    rounding is not growth), give buckets back until the growth is covered."""
+    """The ``gpu`` home's measured budget, one per device of a process, shared by the
+    stores there (a Megatron chain's, several ``StreamedOptimizer``'s:
+    :meth:`for_device`). Stores call :meth:`after_step` after each step; the work
+    happens after the last registered store's, once per training step:
+
+    - once every store has stepped (and again after an offload, or when a store
+      joins): fill the device up to the margin;
+    - after every later step, when the room at the peak shrank by more than an
+      eighth of the margin (allocator rounding is not growth; small shrinks add up),
+      give buckets back until the shrink is covered.
+    """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
-        self.stores: list = []
-        self._seen: int | None = None  # the use the gpu home was sized against; None: size it next
-        self._last_used = 0  # a smaller use later means the peak statistics were reset
-        self._credit = 0  # bytes given back for an offload: the peak still counts them
+        self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
+        self._seen_room: int | None = None  # the room the home was sized against; None: size it next
+        self._last_peak = 0  # a smaller peak later means the statistics were reset
+        self._credit = 0  # bytes given back (offload, a closed store) that the peak still counts
         self._reset_seen = False  # warned once that someone resets the peak statistics
 
     @classmethod
-    def for_process(cls, margin_bytes: int) -> AutoGpuBudget:
-        """The process's one budget (its stores share one device's memory), made on first use."""
-        global _PROCESS_BUDGET
-        if _PROCESS_BUDGET is None:
-            _PROCESS_BUDGET = cls(margin_bytes)
-        elif _PROCESS_BUDGET.margin != margin_bytes:
-            logger.warning(
-                "auto GPU budget: this process's stores share one budget with a %.1f GB margin; a store's %.1f GB "
-                "is not used",
-                _PROCESS_BUDGET.margin / GB,
-                margin_bytes / GB,
-            )
-        return _PROCESS_BUDGET
+    def for_device(cls, device: torch.device, margin_bytes: int) -> AutoGpuBudget:
+        """The budget of ``device`` in this process, made on first use; the largest
+        margin asked for wins."""
+        budget = _BUDGETS.get(str(device))
+        if budget is None:
+            budget = _BUDGETS[str(device)] = cls(margin_bytes)
+        elif margin_bytes > budget.margin:
+            logger.info("auto GPU budget: margin raised to %.1f GB by a store that asks for it", margin_bytes / GB)
+            budget.margin = margin_bytes
+        return budget
+
+    @property
+    def stores(self) -> list:
+        return [store for ref in self._stores if (store := ref()) is not None]
 
     def register(self, store, device: torch.device) -> None:
-        self.stores.append(store)
+        self._stores.append(weakref.ref(store))
+        self._seen_room = None  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
             self.memory = CudaMemory(device)
         if self.memory is None:
@@ -210,76 +253,85 @@ class AutoGpuBudget:
                 self.margin / GB,
             )
 
-    def unregister(self, store) -> None:
-        """A store closed; with the last one gone, the process's budget starts over."""
-        global _PROCESS_BUDGET
-        if store in self.stores:
-            self.stores.remove(store)
-        if not self.stores and _PROCESS_BUDGET is self:
-            _PROCESS_BUDGET = None
+    def unregister(self, store, freed: int) -> None:
+        """A store closed, freeing ``freed`` bytes of device home; with the last one
+        gone, the device's budget starts over."""
+        self._stores = [ref for ref in self._stores if ref() not in (None, store)]
+        self.released(freed)
+        if not self._stores:
+            for key, budget in list(_BUDGETS.items()):
+                if budget is self:
+                    del _BUDGETS[key]
 
     def released(self, nbytes: int) -> None:
-        """A store gave ``nbytes`` back for an offload (an RL rollout wants the GPU): size
-        the home again after the next step, counting them as free although the peak
-        statistics still hold them."""
-        self._credit += nbytes
-        self._seen = None
+        """``nbytes`` of device home were given back (an offload for an RL rollout, a
+        closed store): size the home again after the next step, counting them as free
+        although the peak statistics still hold them."""
+        if nbytes:
+            self._credit += nbytes
+            self._seen_room = None
 
     def after_step(self, store) -> None:
-        if self.memory is None or store is not self.stores[-1] or any(s.steps_taken < 1 for s in self.stores):
+        stores = self.stores
+        if self.memory is None or not stores or store is not stores[-1]:
             return
-        used = self.memory.used()
-        if used < self._last_used and self._seen is not None:
+        peak, room = self.memory.peak(), self.memory.room()
+        if peak < self._last_peak:
             if not self._reset_seen:
                 logger.warning(
                     "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats): "
-                    "peaks from before are no longer seen; growth is measured from each reset on"
+                    "a peak reached only before a reset is no longer seen"
                 )
                 self._reset_seen = True
-            self._seen = used
-        self._last_used = used
-        if self._seen is None:
-            self._fill(used)
-        else:
-            self._cover_growth(used)
+            # The peak no longer holds what was given back. The room it shows now is no
+            # news (the forward/backward peak comes back): what was seen stays the measure.
+            self._credit = 0
+        self._last_peak = peak
+        if self._seen_room is not None:
+            self._cover_shrink(stores, room)
+        elif all(s.steps_taken >= 1 for s in stores):
+            self._fill(stores, room)
 
-    def _fill(self, used: int) -> None:
-        pool = max(0, self.memory.limit() - used - self.margin + self._credit)
+    def _fill(self, stores: list, room: int) -> None:
+        pool = max(0, room - self.margin + self._credit)
+        self.memory.release_cache()
         moved = 0
         try:
-            for store in reversed(self.stores):  # the last store's buckets are the last a step visits
+            for store in reversed(stores):  # the last store's buckets are the last a step visits
                 moved += store.move_to_gpu_home(pool - moved)
         finally:
-            # What the moves allocate is use the next peak will show; the credit was in the peak already.
-            self._seen = max(used, used - self._credit + moved)
+            # The peak shows the moves only beyond what it still counted of the bytes given back.
+            self._seen_room = room - max(0, moved - self._credit)
             self._credit = 0
         logger.info(
             "auto GPU budget: the largest use so far left %.2f GB beyond the %.1f GB margin; %d buckets "
             "(%.2f GB) now stay on the device",
             pool / GB,
             self.margin / GB,
-            sum(s.placement["gpu"] for s in self.stores),
+            sum(s.placement["gpu"] for s in stores),
             moved / GB,
         )
 
-    def _cover_growth(self, used: int) -> None:
-        growth = used - self._seen
-        if growth <= self.margin // 8:
+    def _cover_shrink(self, stores: list, room: int) -> None:
+        shrink = self._seen_room - room
+        if shrink <= self.margin // 8:
             return  # allocator rounding, or too little to matter yet: it adds up until it is not
-        self._seen = used
+        self._seen_room = room
         freed = 0
-        for store in self.stores:  # the first store's device buckets are the first a step visits
-            if freed >= growth:
+        for store in stores:  # the first store's device buckets are the first a step visits
+            if freed >= shrink:
                 break
-            freed += store.move_from_gpu_home(growth - freed)
+            freed += store.move_from_gpu_home(shrink - freed)
         logger.warning(
-            "auto GPU budget: the device's use grew by %.2f GB since the budget was set; gave %.2f GB of "
-            "buckets back to their host or disk homes to keep the %.1f GB margin%s",
-            growth / GB,
+            "auto GPU budget: the room at the device's peak shrank by %.2f GB since the budget was set (a "
+            "larger batch, another process); gave %.2f GB of buckets back to their host or disk homes to keep "
+            "the %.1f GB margin%s",
+            shrink / GB,
             freed / GB,
             self.margin / GB,
-            "" if freed >= growth else " (all there were: the margin is what is left)",
+            "" if freed >= shrink else " (all there were: the margin is what is left)",
         )
 
 
-_PROCESS_BUDGET: AutoGpuBudget | None = None
+# One budget per device of this process (str(device) -> budget).
+_BUDGETS: dict[str, AutoGpuBudget] = {}

@@ -580,9 +580,9 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     share = _staging_share(config, len(members))
     # The GPU and host budgets are the rank's too: each store takes what it places
     # from what the stores before it (dense first) left. "auto" is measured once for
-    # the rank: the host's here, the GPU's by one AutoGpuBudget all stores share.
-    config = auto_budget.resolve_host(config)
-    auto_gpu = AutoGpuBudget.for_process(config.auto_gpu_margin_bytes) if config.gpu_budget_bytes == AUTO else None
+    # the rank: the host's here (every rank is here: the node's ranks are counted by a
+    # collective), the GPU's by the device's AutoGpuBudget, which the stores share.
+    config = auto_budget.resolve_host(config, group=True)
     budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     bindings: list[MegatronBinding] = []
     try:
@@ -591,10 +591,10 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 config,
                 name=f"{config.name}.opt{index}",
                 staging_budget_mb=share,
-                gpu_budget_bytes=AUTO if auto_gpu else budgets["gpu"],
+                gpu_budget_bytes=AUTO if config.gpu_budget_bytes == AUTO else budgets["gpu"],
                 host_budget_bytes=budgets["host"],
             )
-            bindings.append(MegatronBinding(member, member_config, auto_gpu=auto_gpu))
+            bindings.append(MegatronBinding(member, member_config))
             budgets = bindings[-1].store.placed.budgets_left
     except BaseException:
         for binding in bindings:

@@ -19,6 +19,7 @@ checkpoints (``persistence.py``), files and directories (``fs.py``,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +33,7 @@ from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
-from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
+from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.layout import (
     MAIN_DTYPE,
@@ -125,10 +126,9 @@ class StreamingStore:
     ) -> None:
         config = auto_budget.resolve_host(config)
         self.auto_gpu = None
-        if config.gpu_budget_bytes == AUTO:
-            # The rank's stores share one (a Megatron chain); the buckets start below it.
-            self.auto_gpu = auto_gpu or AutoGpuBudget.for_process(config.auto_gpu_margin_bytes)
-            config = dataclasses.replace(config, gpu_budget_bytes=0)
+        auto_gpu_wanted = config.gpu_budget_bytes == AUTO
+        if auto_gpu_wanted:
+            config = dataclasses.replace(config, gpu_budget_bytes=0)  # the buckets start below the device
         self.config = config
         self.entries = list(entries)
         self._grad_bytes_per_element = grad_bytes_per_element
@@ -194,7 +194,9 @@ class StreamingStore:
         except BaseException:
             self._shut_down()
             raise
-        if self.auto_gpu is not None:
+        if auto_gpu_wanted:
+            # Shared by the device's stores in this process (a Megatron chain's, several optimizers').
+            self.auto_gpu = auto_gpu or AutoGpuBudget.for_device(self._device, config.auto_gpu_margin_bytes)
             self.auto_gpu.register(self, self._device)
         _log_setup(self)
 
@@ -440,6 +442,16 @@ class StreamingStore:
         if self.auto_gpu is not None:
             # Each bucket there has its place below: give them back, pinning nothing more.
             self.auto_gpu.released(self.move_from_gpu_home(self.home_bytes["gpu"]))
+            if self.home_bytes["gpu"]:
+                raise StreamIOError(
+                    f"{self.placement['gpu']} buckets of the device home could not go back to their places "
+                    "below for the offload (see the warning above); they stay on the device",
+                    "<device home>",
+                    0,
+                    errno.EIO,
+                )
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
             return
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None:
@@ -485,7 +497,7 @@ class StreamingStore:
             return
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
-            self.auto_gpu.unregister(self)
+            self.auto_gpu.unregister(self, freed=self.home_bytes["gpu"])
         self._shut_down()
 
     def _shut_down(self) -> None:

@@ -83,7 +83,6 @@ def test_the_allocator_sizes_the_gpu_home_and_a_larger_batch_gets_buckets_back(t
     expected_use = torch.cuda.max_memory_reserved() + store.step_device_bytes_bound
     total = torch.cuda.mem_get_info()[1]
     torch.cuda.set_per_process_memory_fraction((expected_use + MARGIN + 3.5 * bucket) / total)
-    limit = store.auto_gpu.memory.limit()
     placements = []
     for step in range(STEPS):
         larger_batch = torch.empty(3 * bucket // 2, dtype=torch.uint8, device="cuda") if step >= GROW_AT else None
@@ -93,10 +92,11 @@ def test_the_allocator_sizes_the_gpu_home_and_a_larger_batch_gets_buckets_back(t
         optimizer.zero_grad(set_to_none=True)
         placements.append(store.placement["gpu"])
         if step == 0:
-            # What the fill saw (the use it sized against, less what it moved) gives the count.
-            used_at_fill = store.auto_gpu._seen - store.home_bytes["gpu"]
-            fits = min(LAYERS, max(0, limit - used_at_fill - MARGIN) // bucket)
-    assert placements[0] == fits and 1 <= fits < LAYERS, (placements, fits, used_at_fill, limit)
+            # The room the fill measured (what it expects at the next peak, plus what it moved)
+            # gives the count: the cap less the allocator's peak, less the margin, in whole buckets.
+            room_at_fill = store.auto_gpu._seen_room + store.home_bytes["gpu"]
+            fits = min(LAYERS, max(0, room_at_fill - MARGIN) // bucket)
+    assert placements[0] == fits and 1 <= fits < LAYERS, (placements, fits, room_at_fill)
     # 1.5 buckets of growth (more than an eighth of the margin): two buckets go back, no OOM.
     assert placements[GROW_AT] == max(0, fits - 2), placements
     assert placements[-1] == placements[GROW_AT], placements  # a steady peak moves nothing more
