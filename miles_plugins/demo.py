@@ -146,7 +146,7 @@ def train_streamed(device: torch.device, data: list, config: StreamConfig) -> di
         for step, (tokens, targets) in enumerate(data, 1):
             loss = loss_of(model, tokens, targets)
             loss.backward()
-            with measured_step_peak(device, step_peaks):
+            with measured_step_peak(device, step_peaks, reset=streamed.store.auto_gpu is None):
                 optimizer.step()  # the streamed step: StreamedOptimizer rebinds it
             optimizer.zero_grad()
             scheduler.step()
@@ -175,10 +175,12 @@ def train_streamed(device: torch.device, data: list, config: StreamConfig) -> di
 
 
 @contextlib.contextmanager
-def measured_step_peak(device: torch.device, peaks: list[int]):
+def measured_step_peak(device: torch.device, peaks: list[int], reset: bool = True):
     """On CUDA, append what the allocator saw the step add to what was allocated
-    before it (a measurement, beside the store's own accounting)."""
-    if device.type != "cuda":
+    before it (a measurement, beside the store's own accounting). Not with an auto
+    GPU budget (``reset`` False): resetting the peak would hide the forward/backward
+    peak it sizes the device home by."""
+    if device.type != "cuda" or not reset:
         yield
         return
     torch.cuda.synchronize(device)

@@ -10,20 +10,22 @@ in the margin.
 
 GPU (:class:`AutoGpuBudget`), after the first step: until then nobody knows the
 forward/backward peak, so every bucket starts in its host or disk home. Once
-every store sharing the device's budget has stepped, the room the process had at
-its peak (:meth:`CudaMemory.room`), less the margin, is filled from the last
-bucket a step visits backwards, as with a fixed budget. A bucket that moves
-keeps its place below (its files, or its host buffer), so giving it back never
-needs memory: after each later step, if the room at the peak shrank by more than
-an eighth of the margin (a larger batch, longer sequences, a new NCCL
-communicator), buckets go back to their places until the shrink is covered,
+every store sharing the device's budget has stepped, what the process's peak left
+free (:meth:`CudaMemory.room`), less the margin, is filled from the last bucket a
+step visits backwards, as with a fixed budget. A bucket that moves keeps its
+place below (its files, or its host buffer), so giving it back never needs
+memory: after each later step, if what is free at the peak fell below the margin
+by more than an eighth of it (a larger batch, longer sequences, a new NCCL
+communicator), buckets go back to their places until the margin is free again,
 with a warning. The moves run between steps, on the training thread, through
 one staging chunk: the step they follow takes that much longer.
 
 What it cannot see: a growth larger than the margin within one step (the
 allocation that fails is the model's own: size the margin for it), phases that
 did not run before the first step (a checkpoint save, an evaluation), and a peak
-reached only before ``torch.cuda.reset_peak_memory_stats`` (warned about once).
+reached only before ``torch.cuda.reset_peak_memory_stats`` (warned about once,
+and not at all when the reset comes before the first fill: a caller that resets
+the peak before every step hides the forward/backward peak from it).
 """
 
 from __future__ import annotations
@@ -125,11 +127,20 @@ def local_ranks(group: bool = False) -> tuple[int, str]:
     if value.isdigit() and int(value) > 0:
         return int(value), "LOCAL_WORLD_SIZE"
     if world > 1:
-        return min(world, max(1, torch.cuda.device_count())), "one rank per GPU of this node"
+        return min(world, max(1, _gpus_on_this_node())), "one rank per GPU of this node"
     value = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # Slurm may write "8(x2)"
     if value.isdigit() and int(value) > 0:
         return int(value), "SLURM_NTASKS_PER_NODE"
     return 1, "one process: no process group, LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE"
+
+
+def _gpus_on_this_node() -> int:
+    """The node's GPUs, not the ones this process sees (a launcher may hide the others
+    with ``CUDA_VISIBLE_DEVICES``, as Ray does per actor)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return torch.cuda.device_count()
 
 
 def host_budget(
@@ -191,7 +202,8 @@ class CudaMemory:
         free, total = torch.cuda.mem_get_info(self.device)
         self._others = max(self._others, total - free - torch.cuda.memory_reserved(self.device))
         # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
-        capped = int(total * torch.cuda.get_per_process_memory_fraction(self.device))
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(self.device)
+        capped = int(total * fraction)
         return min(capped, total - self._others) - self.peak()
 
     def release_cache(self) -> None:
@@ -202,22 +214,29 @@ class AutoGpuBudget:
     """The ``gpu`` home's measured budget, one per device of a process, shared by the
     stores there (a Megatron chain's, several ``StreamedOptimizer``'s:
     :meth:`for_device`). Stores call :meth:`after_step` after each step; the work
-    happens after the last registered store's, once per training step:
+    happens after the last registered store's, once per training step. It keeps
+    one invariant: at the process's peak, the margin stays free.
 
-    - once every store has stepped (and again after an offload, or when a store
-      joins): fill the device up to the margin;
-    - after every later step, when the room at the peak shrank by more than an
-      eighth of the margin (allocator rounding is not growth; small shrinks add up),
-      give buckets back until the shrink is covered.
+    - Free at the peak is the room the allocator's peak left, plus the *credit*:
+      bytes of the home given back that the peak still counts (they were on the
+      device during a step that set or matched it). A new, higher peak counts
+      what is held now, so it clears the credit; so does a reset of the statistics.
+    - Fill, once every store has stepped (again after an offload, or when a store
+      joins or closes): buckets move in while free at the peak stays above the margin.
+    - After every other step: when free at the peak is below the margin by more
+      than an eighth of it (allocator rounding is not growth; small shrinks add up),
+      buckets go back until it is covered.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
-        self._seen_room: int | None = None  # the room the home was sized against; None: size it next
-        self._last_peak = 0  # a smaller peak later means the statistics were reset
-        self._credit = 0  # bytes given back (offload, a closed store) that the peak still counts
+        self._filled = False  # the home was sized once: from then on, shrinks are covered
+        self._refill = False  # fill again once every store has stepped
+        self._last_peak = 0
+        self._credit = 0
+        self._home_in_peak = 0  # home bytes the last step ran with: what a give-back may credit
         self._reset_seen = False  # warned once that someone resets the peak statistics
 
     @classmethod
@@ -238,7 +257,7 @@ class AutoGpuBudget:
 
     def register(self, store, device: torch.device) -> None:
         self._stores.append(weakref.ref(store))
-        self._seen_room = None  # a store that joins gets its share at the next fill
+        self._refill = True  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
             self.memory = CudaMemory(device)
         if self.memory is None:
@@ -265,72 +284,79 @@ class AutoGpuBudget:
 
     def released(self, nbytes: int) -> None:
         """``nbytes`` of device home were given back (an offload for an RL rollout, a
-        closed store): size the home again after the next step, counting them as free
-        although the peak statistics still hold them."""
-        if nbytes:
-            self._credit += nbytes
-            self._seen_room = None
+        closed store): fill again after the next step."""
+        self._give_credit(nbytes)
+        self._refill = True
+
+    def _give_credit(self, nbytes: int) -> None:
+        # Only bytes a step ran with are in the peak; a fill's bytes no step has seen are not.
+        counted = min(nbytes, self._home_in_peak)
+        self._credit += counted
+        self._home_in_peak -= counted
 
     def after_step(self, store) -> None:
         stores = self.stores
-        if self.memory is None or not stores or store is not stores[-1]:
+        # Once per training step, after the chain's last store; while a store that joined
+        # has not stepped yet, after every store's (shrinks are covered meanwhile).
+        if self.memory is None or not stores or (store is not stores[-1] and stores[-1].steps_taken >= 1):
             return
         peak, room = self.memory.peak(), self.memory.room()
-        if peak < self._last_peak:
-            if not self._reset_seen:
-                logger.warning(
-                    "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats): "
-                    "a peak reached only before a reset is no longer seen"
-                )
-                self._reset_seen = True
-            # The peak no longer holds what was given back. The room it shows now is no
-            # news (the forward/backward peak comes back): what was seen stays the measure.
-            self._credit = 0
+        if peak < self._last_peak and not self._reset_seen:
+            logger.warning(
+                "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats): a peak "
+                "reached only before a reset is no longer seen"
+            )
+            self._reset_seen = True
+        if peak != self._last_peak:
+            self._credit = 0  # a new peak counts what is held now; a reset peak holds nothing given back
         self._last_peak = peak
-        if self._seen_room is not None:
-            self._cover_shrink(stores, room)
-        elif all(s.steps_taken >= 1 for s in stores):
-            self._fill(stores, room)
+        self._home_in_peak = sum(s.home_bytes["gpu"] for s in stores)  # the step just done ran with these
+        free = room + self._credit
+        if self._filled and self._cover(stores, free):
+            return
+        if (not self._filled or self._refill) and all(s.steps_taken >= 1 for s in stores):
+            self._fill(stores, free)
 
-    def _fill(self, stores: list, room: int) -> None:
-        pool = max(0, room - self.margin + self._credit)
+    def _fill(self, stores: list, free: int) -> None:
+        pool = max(0, free - self.margin)
         self.memory.release_cache()
         moved = 0
         try:
             for store in reversed(stores):  # the last store's buckets are the last a step visits
                 moved += store.move_to_gpu_home(pool - moved)
         finally:
-            # The peak shows the moves only beyond what it still counted of the bytes given back.
-            self._seen_room = room - max(0, moved - self._credit)
-            self._credit = 0
+            self._credit = max(0, self._credit - moved)  # moved buckets take up what was given back first
+            self._filled, self._refill = True, False
         logger.info(
-            "auto GPU budget: the largest use so far left %.2f GB beyond the %.1f GB margin; %d buckets "
-            "(%.2f GB) now stay on the device",
+            "auto GPU budget: the peak left %.2f GB beyond the %.1f GB margin; %d buckets (%.2f GB) now stay on "
+            "the device",
             pool / GB,
             self.margin / GB,
             sum(s.placement["gpu"] for s in stores),
             moved / GB,
         )
 
-    def _cover_shrink(self, stores: list, room: int) -> None:
-        shrink = self._seen_room - room
-        if shrink <= self.margin // 8:
-            return  # allocator rounding, or too little to matter yet: it adds up until it is not
-        self._seen_room = room
+    def _cover(self, stores: list, free: int) -> bool:
+        """Give buckets back when free at the peak fell below the margin; whether it did."""
+        deficit = self.margin - free
+        if deficit <= self.margin // 8:
+            return False  # allocator rounding, or too little to matter yet: it adds up until it is not
         freed = 0
         for store in stores:  # the first store's device buckets are the first a step visits
-            if freed >= shrink:
+            if freed >= deficit:
                 break
-            freed += store.move_from_gpu_home(shrink - freed)
+            freed += store.move_from_gpu_home(deficit - freed)
+        self._give_credit(freed)
         logger.warning(
-            "auto GPU budget: the room at the device's peak shrank by %.2f GB since the budget was set (a "
-            "larger batch, another process); gave %.2f GB of buckets back to their host or disk homes to keep "
-            "the %.1f GB margin%s",
-            shrink / GB,
-            freed / GB,
+            "auto GPU budget: %.2f GB free at the device's peak, %.2f GB short of the %.1f GB margin (a larger "
+            "batch, another process); gave %.2f GB of buckets back to their host or disk homes%s",
+            max(free, 0) / GB,
+            deficit / GB,
             self.margin / GB,
-            "" if freed >= shrink else " (all there were: the margin is what is left)",
+            freed / GB,
+            "" if freed >= deficit else " (all there were: the margin is what is left)",
         )
+        return freed > 0
 
 
 # One budget per device of this process (str(device) -> budget).

@@ -572,6 +572,9 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     after binding began (e.g. an I/O error writing the initial mains) closes the
     stores already made and re-raises: the optimizer is then unusable.
     """
+    # "auto" host memory is measured first, before any check that may refuse on one
+    # rank and not another: counting the node's ranks is a collective every rank joins.
+    config = auto_budget.resolve_host(config, group=True)
     members = chained_distributed_optimizers(optimizer)
     for _, member in members:
         check_supported(member)
@@ -579,10 +582,8 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
         check_upstream()
     share = _staging_share(config, len(members))
     # The GPU and host budgets are the rank's too: each store takes what it places
-    # from what the stores before it (dense first) left. "auto" is measured once for
-    # the rank: the host's here (every rank is here: the node's ranks are counted by a
-    # collective), the GPU's by the device's AutoGpuBudget, which the stores share.
-    config = auto_budget.resolve_host(config, group=True)
+    # from what the stores before it (dense first) left; an auto GPU budget is the
+    # device's AutoGpuBudget, which the stores share.
     budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
     bindings: list[MegatronBinding] = []
     try:

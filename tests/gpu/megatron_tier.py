@@ -146,7 +146,9 @@ def as_batch(tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tokens[:, :-1], position_ids, mask, tokens[:, 1:]
 
 
-def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0, batch_of=batch) -> dict:
+def train(
+    ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0, batch_of=batch, reset_peaks: bool = True
+) -> dict:
     """Train steps ``start`` .. ``start + steps - 1`` on ``batch_of(step)``; per step, the GPU peak during
     ``optimizer.step()`` above ``baseline`` (model, grads, optimizer state and the
     step's temporaries), and what the step added to the memory allocated right
@@ -161,7 +163,8 @@ def train(ddp, optimizer, scheduler, baseline: int, steps: int, start: int = 0, 
         ddp.finish_grad_sync()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        if reset_peaks:  # not under an auto GPU budget: it sizes the home by the peak so far
+            torch.cuda.reset_peak_memory_stats()
         success, _, _ = optimizer.step()
         torch.cuda.synchronize()
         assert success, f"step {step} was skipped"
@@ -365,7 +368,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
     for name, extra in VARIANTS.items():
         ddp, opt, sched, baseline = build(moe, expert_parallel)
         bindings = setup_optimizer_state_streaming(flags(directory, "fp32", extra), opt)
-        variant = train(ddp, opt, sched, baseline, steps)
+        variant = train(ddp, opt, sched, baseline, steps, reset_peaks=name != "auto_budgets")
         state = streamed_state(bindings)
         result["variants"][name] = {
             "identical": variant["losses"] == resident["losses"]

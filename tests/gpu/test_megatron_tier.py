@@ -104,9 +104,10 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
         assert saved >= 0.75 * rank["state_bytes_total"] - in_flight, where
         for name, variant in rank["variants"].items():
             assert variant["identical"], f"{where}: {name} is not byte-identical to the resident run"
-            # The step after which auto moves buckets to the device allocates their memory too.
-            moved = variant["gpu_home_bytes"] if name == "auto_budgets" else 0
-            assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"] + moved, f"{where}: {name}"
+            # Under an auto GPU budget the harness leaves the peak statistics alone (auto reads
+            # them), so what a step adds is not measured there.
+            if name != "auto_budgets":
+                assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"], f"{where}: {name}"
         # Budgets placed buckets in every home. The gpu home's stored bytes are allocated
         # before the step (so the added-bytes bound above holds without them) but count in
         # the step's peak: the saving is the one above less what the gpu home keeps.
