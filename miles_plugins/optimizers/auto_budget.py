@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -174,14 +175,12 @@ def resolve_host(config, group: bool = False):
 class DeviceMemory(Protocol):
     """What :class:`AutoGpuBudget` reads of the device (:class:`CudaMemory` on CUDA)."""
 
-    def peak(self) -> int:
-        """This process's largest reservation so far (``max_memory_reserved``): only a
-        reset of the allocator's statistics makes it smaller."""
-
-    def room(self) -> int:
-        """What this process could still reserve at that peak: the least of its cap
-        (``set_per_process_memory_fraction``, which counts only its own reservations)
-        and the device less the most others have held, less the peak."""
+    def measure(self) -> tuple[int, int]:
+        """``(peak, room)``, read together: this process's largest reservation so far
+        (``max_memory_reserved``: only a reset of the allocator's statistics makes it
+        smaller), and what it could still reserve at that peak (the least of its cap,
+        which counts only its own reservations, and the device less the most others
+        have held, less the peak)."""
 
     def release_cache(self) -> None:
         """Give the allocator's cached free blocks back, so what is allocated next
@@ -194,17 +193,20 @@ class CudaMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._others = 0  # the most the CUDA context, NCCL and other processes have held, seen
+        self._fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if self._fraction is None:
+            logger.warning(
+                "auto GPU budget: this torch has no get_per_process_memory_fraction (torch < 2.6): a cap set "
+                "with set_per_process_memory_fraction is not seen; lower the margin's share yourself"
+            )
 
-    def peak(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
-    def room(self) -> int:
+    def measure(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)
         self._others = max(self._others, total - free - torch.cuda.memory_reserved(self.device))
         # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(self.device)
-        capped = int(total * fraction)
-        return min(capped, total - self._others) - self.peak()
+        capped = int(total * (self._fraction(self.device) if self._fraction else 1.0))
+        peak = torch.cuda.max_memory_reserved(self.device)
+        return peak, min(capped, total - self._others) - peak
 
     def release_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -215,17 +217,19 @@ class AutoGpuBudget:
     stores there (a Megatron chain's, several ``StreamedOptimizer``'s:
     :meth:`for_device`). Stores call :meth:`after_step` after each step; the work
     happens after the last registered store's, once per training step. It keeps
-    one invariant: at the process's peak, the margin stays free.
+    one invariant: at the highest peak seen, the margin stays free.
 
-    - Free at the peak is the room the allocator's peak left, plus the *credit*:
-      bytes of the home given back that the peak still counts (they were on the
-      device during a step that set or matched it). A new, higher peak counts
-      what is held now, so it clears the credit; so does a reset of the statistics.
-    - Fill, once every store has stepped (again after an offload, or when a store
-      joins or closes): buckets move in while free at the peak stays above the margin.
-    - After every other step: when free at the peak is below the margin by more
-      than an eighth of it (allocator rounding is not growth; small shrinks add up),
-      buckets go back until it is covered.
+    - Free is the room at the highest peak seen (across resets of the statistics),
+      plus the *credit*: bytes of the home given back that this peak counts (a
+      store held them at a step, or when the peak was reached). A new highest peak
+      counts what is held then, so it clears the credit.
+    - Fill, once every store has stepped: buckets move in while free stays above
+      the margin. Again after a store joins or closes (after the next step), and
+      after an offload when the home is restored (the steps in between then run
+      with it).
+    - After every other step: when free is below the margin by more than an eighth
+      of it (allocator rounding is not growth; small shrinks add up), buckets go
+      back until the margin is free again.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
@@ -233,11 +237,13 @@ class AutoGpuBudget:
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
         self._filled = False  # the home was sized once: from then on, shrinks are covered
-        self._refill = False  # fill again once every store has stepped
-        self._last_peak = 0
+        self._refill = False  # fill again after the next step (a store joined or closed)
+        self._refill_on_restore = False  # an offload gave the home back: fill when it is restored
+        self._seen_peak = 0  # the highest peak seen, kept across resets of the statistics
+        self._last_peak = 0  # a smaller peak than the last means a reset
         self._credit = 0
-        self._home_in_peak = 0  # home bytes the last step ran with: what a give-back may credit
-        self._reset_seen = False  # warned once that someone resets the peak statistics
+        self._held_at_peak: dict[int, int] = {}  # id(store) -> its home bytes the peak counts
+        self._warned: set[str] = set()
 
     @classmethod
     def for_device(cls, device: torch.device, margin_bytes: int) -> AutoGpuBudget:
@@ -273,26 +279,60 @@ class AutoGpuBudget:
             )
 
     def unregister(self, store, freed: int) -> None:
-        """A store closed, freeing ``freed`` bytes of device home; with the last one
-        gone, the device's budget starts over."""
+        """A store closes, freeing ``freed`` bytes of device home (still held: call it
+        first); with the last one gone, the device's budget starts over."""
+        if self.memory is not None:
+            self._free()  # a peak reached since the last step was reached with these bytes held
+        self._credit_for(store, freed)
+        self._refill = True
         self._stores = [ref for ref in self._stores if ref() not in (None, store)]
-        self.released(freed)
+        self._held_at_peak.pop(id(store), None)
         if not self._stores:
             for key, budget in list(_BUDGETS.items()):
                 if budget is self:
                     del _BUDGETS[key]
 
-    def released(self, nbytes: int) -> None:
-        """``nbytes`` of device home were given back (an offload for an RL rollout, a
-        closed store): fill again after the next step."""
-        self._give_credit(nbytes)
-        self._refill = True
+    def offload(self, store, give_back: Callable[[], int]) -> None:
+        """``give_back()`` returns ``store``'s home to its places below for an offload (an
+        RL rollout wants the GPU) and says how many bytes; the home is filled again when
+        it is restored (:meth:`restored`)."""
+        if self.memory is not None:
+            self._free()  # first, with the home held: a peak reached since the last step counts it
+        self._credit_for(store, give_back())
+        self._refill_on_restore = True
 
-    def _give_credit(self, nbytes: int) -> None:
-        # Only bytes a step ran with are in the peak; a fill's bytes no step has seen are not.
-        counted = min(nbytes, self._home_in_peak)
+    def restored(self, store) -> None:
+        """After the chain's last store is restored: fill, so the steps until the next
+        offload run with the home (a fill after the step before an offload would serve
+        none of them)."""
+        stores = self.stores
+        if self.memory is None or not self._refill_on_restore or not stores or store is not stores[-1]:
+            return
+        self._refill_on_restore = False
+        self._fill(stores, self._free())
+
+    def _credit_for(self, store, nbytes: int) -> None:
+        """``store`` gave ``nbytes`` of its home back: what the highest peak counted of them
+        is free there now."""
+        counted = min(nbytes, self._held_at_peak.get(id(store), 0))
+        self._held_at_peak[id(store)] = self._held_at_peak.get(id(store), 0) - counted
         self._credit += counted
-        self._home_in_peak -= counted
+
+    def _free(self) -> int:
+        """Free at the highest peak seen: the room there, plus the credit."""
+        peak, room = self.memory.measure()
+        if peak < self._last_peak and "reset" not in self._warned:
+            logger.warning(
+                "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats); the "
+                "highest peak seen before still counts"
+            )
+            self._warned.add("reset")
+        self._last_peak = peak
+        if peak > self._seen_peak:
+            # A new highest peak counts what is held now: nothing given back before is in it.
+            self._seen_peak, self._credit = peak, 0
+            self._held_at_peak = {id(s): s.home_bytes["gpu"] for s in self.stores}
+        return room - (self._seen_peak - peak) + self._credit
 
     def after_step(self, store) -> None:
         stores = self.stores
@@ -300,18 +340,9 @@ class AutoGpuBudget:
         # has not stepped yet, after every store's (shrinks are covered meanwhile).
         if self.memory is None or not stores or (store is not stores[-1] and stores[-1].steps_taken >= 1):
             return
-        peak, room = self.memory.peak(), self.memory.room()
-        if peak < self._last_peak and not self._reset_seen:
-            logger.warning(
-                "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats): a peak "
-                "reached only before a reset is no longer seen"
-            )
-            self._reset_seen = True
-        if peak != self._last_peak:
-            self._credit = 0  # a new peak counts what is held now; a reset peak holds nothing given back
-        self._last_peak = peak
-        self._home_in_peak = sum(s.home_bytes["gpu"] for s in stores)  # the step just done ran with these
-        free = room + self._credit
+        free = self._free()
+        for s in stores:  # the step just done ran with these: the highest peak counts them
+            self._held_at_peak[id(s)] = max(self._held_at_peak.get(id(s), 0), s.home_bytes["gpu"])
         if self._filled and self._cover(stores, free):
             return
         if (not self._filled or self._refill) and all(s.steps_taken >= 1 for s in stores):
@@ -345,17 +376,20 @@ class AutoGpuBudget:
         for store in stores:  # the first store's device buckets are the first a step visits
             if freed >= deficit:
                 break
-            freed += store.move_from_gpu_home(deficit - freed)
-        self._give_credit(freed)
-        logger.warning(
-            "auto GPU budget: %.2f GB free at the device's peak, %.2f GB short of the %.1f GB margin (a larger "
-            "batch, another process); gave %.2f GB of buckets back to their host or disk homes%s",
-            max(free, 0) / GB,
-            deficit / GB,
-            self.margin / GB,
-            freed / GB,
-            "" if freed >= deficit else " (all there were: the margin is what is left)",
-        )
+            given = store.move_from_gpu_home(deficit - freed)
+            self._credit_for(store, given)
+            freed += given
+        if freed or "short" not in self._warned:
+            logger.warning(
+                "auto GPU budget: %.2f GB free at the device's peak, %.2f GB short of the %.1f GB margin (a "
+                "larger batch, another process); gave %.2f GB of buckets back to their host or disk homes%s",
+                max(free, 0) / GB,
+                deficit / GB,
+                self.margin / GB,
+                freed / GB,
+                "" if freed >= deficit else " (all there were: the margin is what is left)",
+            )
+            self._warned.add("short")
         return freed > 0
 
 

@@ -437,11 +437,11 @@ class StreamingStore:
         memory (an RL rollout phase wants the GPU); :meth:`restore_device_home`
         brings them back. A step in between still works, over PCIe. With an auto
         GPU budget the buckets go back to their places below instead (no memory
-        pinned), and the budget sizes the home again after the next step."""
+        pinned), and the budget fills the home again when it is restored."""
         self._settle()
         if self.auto_gpu is not None:
             # Each bucket there has its place below: give them back, pinning nothing more.
-            self.auto_gpu.released(self.move_from_gpu_home(self.home_bytes["gpu"]))
+            self.auto_gpu.offload(self, lambda: self.move_from_gpu_home(self.home_bytes["gpu"]))
             if self.home_bytes["gpu"]:
                 raise StreamIOError(
                     f"{self.placement['gpu']} buckets of the device home could not go back to their places "
@@ -460,8 +460,12 @@ class StreamingStore:
                 torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
 
     def restore_device_home(self) -> None:
-        """Bring what :meth:`offload_device_home` moved back into device memory."""
+        """Bring what :meth:`offload_device_home` moved back into device memory (with an
+        auto GPU budget: fill the home again, once the last store sharing it is restored)."""
         self._settle()
+        if self.auto_gpu is not None:
+            self.auto_gpu.restored(self)
+            return
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None:
             device_home.to_device()

@@ -39,14 +39,11 @@ class SimulatedDevice:
         self._peak = activity
         self._quiet = False
 
-    def peak(self) -> int:
+    def measure(self) -> tuple[int, int]:
         # After a reset the next reading has seen no forward/backward (the reset came after it).
         self._peak = max(self._peak, self.held() + (0 if self._quiet else self.activity))
         self._quiet = False
-        return self._peak
-
-    def room(self) -> int:
-        return self.total - self.peak()
+        return self._peak, self.total - self._peak
 
     def release_cache(self) -> None:
         pass
@@ -217,8 +214,10 @@ def test_an_offload_gives_buckets_back_pinning_nothing_and_the_next_step_refills
     store.offload_device_home()  # an RL rollout wants the GPU
     assert store.placement["gpu"] == 0 and not store._backing.by_key["gpu"].offloaded
     store.restore_device_home()
+    # Filled again at the restore, so the steps before the next offload run with it; the
+    # peak statistics still count the bytes given back, and the refill counts them as free.
+    assert store.placement["gpu"] == moved
     train(model, optimizer, scheduler, range(2, 3))
-    # The peak statistics still count the bytes given back: the refill counts them as free again.
     assert store.placement["gpu"] == moved
     train(model, optimizer, scheduler, range(3, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
@@ -234,15 +233,57 @@ def test_an_offload_right_after_the_fill_credits_nothing_no_step_ran_with(tmp_pa
     device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total // 2)
     device.held = lambda: store.home_bytes["gpu"]
     store.auto_gpu.memory = device
-    filled = []
+    held_by_steps = []
     for step in range(4):
+        held_by_steps.append(store.home_bytes["gpu"])
         train(model, optimizer, scheduler, range(step, step + 1))
-        filled.append(store.home_bytes["gpu"])
         store.offload_device_home()
         store.restore_device_home()
-    assert 0 < filled[0] <= store.file_bytes_total // 2 and filled == filled[:1] * 4, filled
+    # Each step after the first ran with the home (filled at the restore, not after the step
+    # an offload follows), and the refills never took the fill's own bytes as free again.
+    assert held_by_steps[0] == 0 and 0 < held_by_steps[1] <= store.file_bytes_total // 2, held_by_steps
+    assert held_by_steps[1:] == held_by_steps[1:2] * 3, held_by_steps
     train(model, optimizer, scheduler, range(4, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_a_reset_before_an_offload_does_not_make_room_the_peak_never_had(tmp_path):
+    model, optimizer, scheduler, streamed = _auto(tmp_path)
+    store = streamed.store
+    device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total // 2)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    train(model, optimizer, scheduler, range(0, 3))
+    moved = store.home_bytes["gpu"]
+    assert moved > 0
+    store.offload_device_home()
+    device.reset_peak()  # reset_peak_memory_stats during the rollout
+    store.restore_device_home()
+    assert store.home_bytes["gpu"] == moved  # the highest peak seen still counts, not the reset one
+    device.reset_peak()  # and between a backward and the step
+    train(model, optimizer, scheduler, range(3, 4))
+    assert store.home_bytes["gpu"] == moved
+    streamed.close()
+
+
+def test_a_peak_reached_after_the_last_step_with_the_home_held_keeps_its_credit(tmp_path):
+    """A weight update between the last step and the offload sets a new peak while the home
+    is on the device: the bytes given back are in that peak, and the refill may use them."""
+    model, optimizer, scheduler, streamed = _auto(tmp_path)
+    store = streamed.store
+    device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total // 2)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    train(model, optimizer, scheduler, range(0, 2))
+    moved = store.home_bytes["gpu"]
+    update = min(b.file_size for b in store.buckets)
+    device.grow(update)  # the weight update's transient, with the home held
+    device.measure()  # the allocator records its peak as it happens
+    store.offload_device_home()
+    device.grow(-update)
+    store.restore_device_home()
+    assert 0 < store.home_bytes["gpu"] <= moved - update, (store.home_bytes["gpu"], moved, update)
     streamed.close()
 
 
