@@ -244,6 +244,7 @@ class AutoGpuBudget:
         self._credit = 0
         self._held_at_peak: dict[int, int] = {}  # id(store) -> its home bytes the peak counts
         self._warned: set[str] = set()
+        self.free_at_last_fill: int | None = None  # what the last fill saw free at the peak (logs, tests)
 
     @classmethod
     def for_device(cls, device: torch.device, margin_bytes: int) -> AutoGpuBudget:
@@ -349,6 +350,7 @@ class AutoGpuBudget:
             self._fill(stores, free)
 
     def _fill(self, stores: list, free: int) -> None:
+        self.free_at_last_fill = free
         pool = max(0, free - self.margin)
         self.memory.release_cache()
         moved = 0
