@@ -9,23 +9,19 @@ something else pins later (another offload, a memory saver's backups) must fit
 in the margin.
 
 GPU (:class:`AutoGpuBudget`), after the first step: until then nobody knows the
-forward/backward peak, so every bucket starts in its host or disk home. Once
-every store sharing the device's budget has stepped, what the process's peak left
-free (:meth:`CudaMemory.room`), less the margin, is filled from the last bucket a
-step visits backwards, as with a fixed budget. A bucket that moves keeps its
+forward/backward peak, so every bucket starts in its host or disk home. The
+budget keeps what the process needs besides the home (the largest allocator
+peak of any interval so far, less the home held in it), plus the home, plus the
+margin, within what the process may use. Buckets move in from the last one a
+step visits backwards, as with a fixed budget; a bucket that moves keeps its
 place below (its files, or its host buffer), so giving it back never needs
-memory: after each later step, if what is free at the peak fell below the margin
-by more than an eighth of it (a larger batch, longer sequences, a new NCCL
-communicator), buckets go back to their places until the margin is free again,
-with a warning. The moves run between steps, on the training thread, through
-one staging chunk: the step they follow takes that much longer.
+memory. The allocator's peak statistics are reset at the end of each interval
+(a training step, an offload, a restore). The moves run on the training thread,
+through one staging chunk: the step or restore they follow takes that much longer.
 
 What it cannot see: a growth larger than the margin within one step (the
-allocation that fails is the model's own: size the margin for it), phases that
-did not run before the first step (a checkpoint save, an evaluation), and a peak
-reached only before ``torch.cuda.reset_peak_memory_stats`` (warned about once,
-and not at all when the reset comes before the first fill: a caller that resets
-the peak before every step hides the forward/backward peak from it).
+allocation that fails is the model's own: size the margin for it), and phases
+that did not run before the first step (a checkpoint save, an evaluation).
 """
 
 from __future__ import annotations
@@ -175,16 +171,20 @@ def resolve_host(config, group: bool = False):
 class DeviceMemory(Protocol):
     """What :class:`AutoGpuBudget` reads of the device (:class:`CudaMemory` on CUDA)."""
 
-    def measure(self) -> tuple[int, int]:
-        """``(peak, room)``, read together: this process's largest reservation so far
-        (``max_memory_reserved``: only a reset of the allocator's statistics makes it
-        smaller), and what it could still reserve at that peak (the least of its cap,
-        which counts only its own reservations, and the device less the most others
-        have held, less the peak)."""
+    def peak(self) -> int:
+        """This process's largest reservation since :meth:`new_interval`."""
+
+    def limit(self) -> int:
+        """The most this process may reserve: its cap (``set_per_process_memory_fraction``,
+        which counts only its own reservations) or the device less what others hold."""
+
+    def new_interval(self) -> None:
+        """Start the next interval's peak from what is reserved now."""
 
     def release_cache(self) -> None:
-        """Give the allocator's cached free blocks back, so what is allocated next
-        gets blocks of its own rather than pieces of the activations' cached ones."""
+        """Give the allocator's cached free blocks back: freed buckets then leave the
+        reservation, and new ones get blocks of their own rather than pieces of the
+        activations' cached ones."""
 
 
 class CudaMemory:
@@ -192,7 +192,6 @@ class CudaMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._others = 0  # the most the CUDA context, NCCL and other processes have held, seen
         self._fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if self._fraction is None:
             logger.warning(
@@ -200,13 +199,17 @@ class CudaMemory:
                 "with set_per_process_memory_fraction is not seen; lower the margin's share yourself"
             )
 
-    def measure(self) -> tuple[int, int]:
+    def peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def limit(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
-        self._others = max(self._others, total - free - torch.cuda.memory_reserved(self.device))
-        # A launcher sharing the GPU (a colocated inference engine) may cap this process's share.
+        others = total - free - torch.cuda.memory_reserved(self.device)  # the CUDA context, NCCL, other processes
         capped = int(total * (self._fraction(self.device) if self._fraction else 1.0))
-        peak = torch.cuda.max_memory_reserved(self.device)
-        return peak, min(capped, total - self._others) - peak
+        return min(capped, total - others)
+
+    def new_interval(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def release_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -215,36 +218,37 @@ class CudaMemory:
 class AutoGpuBudget:
     """The ``gpu`` home's measured budget, one per device of a process, shared by the
     stores there (a Megatron chain's, several ``StreamedOptimizer``'s:
-    :meth:`for_device`). Stores call :meth:`after_step` after each step; the work
-    happens after the last registered store's, once per training step. It keeps
-    one invariant: at the highest peak seen, the margin stays free.
+    :meth:`for_device`). It keeps one invariant: what the process needs besides the
+    home, plus the home, plus the margin, fits the device.
 
-    - Free is the room at the highest peak seen (across resets of the statistics),
-      plus the *credit*: bytes of the home given back that this peak counts (a
-      store held them at a step, or when the peak was reached). A new highest peak
-      counts what is held then, so it clears the credit.
-    - Fill, once every store has stepped: buckets move in while free stays above
-      the margin. Again after a store joins or closes (after the next step), and
-      after an offload when the home is restored (the steps in between then run
-      with it).
+    - *Need*: the largest peak, over the intervals read so far, less the home held in
+      that interval. An interval ends at each training step (after the chain's last
+      store), at an offload and at a restore; the allocator's peak statistics are
+      reset at each end, so ``max_memory_reserved`` then describes the last interval.
+      A need never shrinks: a batch that was once larger may come again.
+    - *Limit*: the cap or the device less others, read after a training step (not
+      while a colocated engine may hold memory during a rollout).
+    - Fill (free = limit - need - home, beyond the margin) once every store has
+      stepped; again after a store joins or closes, and at a restore after an
+      offload (when the rollout before ran more than one step: with one, the moves
+      would cost what the step saves).
     - After every other step: when free is below the margin by more than an eighth
-      of it (allocator rounding is not growth; small shrinks add up), buckets go
-      back until the margin is free again.
+      of it, buckets go back until it is not.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
+        self._stepped: weakref.WeakSet = weakref.WeakSet()  # stores that stepped in this process
+        self._need = 0
+        self._limit = 0
         self._filled = False  # the home was sized once: from then on, shrinks are covered
         self._refill = False  # fill again after the next step (a store joined or closed)
         self._refill_on_restore = False  # an offload gave the home back: fill when it is restored
-        self._seen_peak = 0  # the highest peak seen, kept across resets of the statistics
-        self._last_peak = 0  # a smaller peak than the last means a reset
-        self._credit = 0
-        self._held_at_peak: dict[int, int] = {}  # id(store) -> its home bytes the peak counts
+        self._steps_since_restore = 0
         self._warned: set[str] = set()
-        self.free_at_last_fill: int | None = None  # what the last fill saw free at the peak (logs, tests)
+        self.free_at_last_fill: int | None = None  # what the last fill saw free (logs, tests)
 
     @classmethod
     def for_device(cls, device: torch.device, margin_bytes: int) -> AutoGpuBudget:
@@ -275,79 +279,83 @@ class AutoGpuBudget:
         else:
             logger.info(
                 "auto GPU budget: decided after the first step, once the forward/backward peak is known "
-                "(margin %.1f GB); until then every bucket stays in its host or disk home",
+                "(margin %.1f GB); until then every bucket stays in its host or disk home. The allocator's peak "
+                "statistics are reset at each step from then on",
                 self.margin / GB,
             )
 
-    def unregister(self, store, freed: int) -> None:
-        """A store closes, freeing ``freed`` bytes of device home (still held: call it
-        first); with the last one gone, the device's budget starts over."""
-        if self.memory is not None:
-            self._free()  # a peak reached since the last step was reached with these bytes held
-        self._credit_for(store, freed)
+    def unregister(self, store) -> None:
+        """A store closed; with the last one gone, the device's budget starts over."""
         self._refill = True
         self._stores = [ref for ref in self._stores if ref() not in (None, store)]
-        self._held_at_peak.pop(id(store), None)
         if not self._stores:
             for key, budget in list(_BUDGETS.items()):
                 if budget is self:
                     del _BUDGETS[key]
 
+    def _home(self, stores: list) -> int:
+        return sum(s.home_bytes["gpu"] for s in stores)
+
+    def _read(self, stores: list) -> None:
+        """End an interval: what it needed besides the home it held."""
+        self._need = max(self._need, self.memory.peak() - self._home(stores))
+
+    def after_step(self, store) -> None:
+        self._stepped.add(store)
+        stores = self.stores
+        # Once per training step, after the chain's last store; while a store that joined
+        # has not stepped yet, after every store's (shrinks are covered meanwhile).
+        if self.memory is None or not stores or (store is not stores[-1] and stores[-1] in self._stepped):
+            return
+        self._limit = self.memory.limit()
+        self._read(stores)
+        self._steps_since_restore += 1
+        free = self._limit - self._need - self._home(stores)
+        try:
+            if not (self._filled and self._cover(stores, free)):
+                if (not self._filled or self._refill) and all(s in self._stepped for s in stores):
+                    self._fill(stores, free)
+        finally:
+            self.memory.new_interval()
+
     def offload(self, store, give_back: Callable[[], int]) -> None:
         """``give_back()`` returns ``store``'s home to its places below for an offload (an
-        RL rollout wants the GPU) and says how many bytes; the home is filled again when
-        it is restored (:meth:`restored`)."""
+        RL rollout wants the GPU); the home is filled again at the restore (:meth:`restored`)."""
         if self.memory is not None:
-            self._free()  # first, with the home held: a peak reached since the last step counts it
-        self._credit_for(store, give_back())
-        self._refill_on_restore = True
+            self._read(self.stores)  # with the home still held
+        try:
+            give_back()
+        finally:
+            if self.memory is not None:
+                self.memory.release_cache()
+                self.memory.new_interval()
+            self._refill_on_restore = True
 
     def restored(self, store) -> None:
         """After the chain's last store is restored: fill, so the steps until the next
-        offload run with the home (a fill after the step before an offload would serve
-        none of them)."""
+        offload run with the home; not before the first fill (no step's need is known
+        yet), and not after a rollout of one step (moving the home out and in costs
+        what that step saves)."""
         stores = self.stores
         if self.memory is None or not self._refill_on_restore or not stores or store is not stores[-1]:
             return
         self._refill_on_restore = False
-        self._fill(stores, self._free())
-
-    def _credit_for(self, store, nbytes: int) -> None:
-        """``store`` gave ``nbytes`` of its home back: what the highest peak counted of them
-        is free there now."""
-        counted = min(nbytes, self._held_at_peak.get(id(store), 0))
-        self._held_at_peak[id(store)] = self._held_at_peak.get(id(store), 0) - counted
-        self._credit += counted
-
-    def _free(self) -> int:
-        """Free at the highest peak seen: the room there, plus the credit."""
-        peak, room = self.memory.measure()
-        if peak < self._last_peak and "reset" not in self._warned:
-            logger.warning(
-                "auto GPU budget: the allocator's peak statistics were reset (reset_peak_memory_stats); the "
-                "highest peak seen before still counts"
-            )
-            self._warned.add("reset")
-        self._last_peak = peak
-        if peak > self._seen_peak:
-            # A new highest peak counts what is held now: nothing given back before is in it.
-            self._seen_peak, self._credit = peak, 0
-            self._held_at_peak = {id(s): s.home_bytes["gpu"] for s in self.stores}
-        return room - (self._seen_peak - peak) + self._credit
-
-    def after_step(self, store) -> None:
-        stores = self.stores
-        # Once per training step, after the chain's last store; while a store that joined
-        # has not stepped yet, after every store's (shrinks are covered meanwhile).
-        if self.memory is None or not stores or (store is not stores[-1] and stores[-1].steps_taken >= 1):
-            return
-        free = self._free()
-        for s in stores:  # the step just done ran with these: the highest peak counts them
-            self._held_at_peak[id(s)] = max(self._held_at_peak.get(id(s), 0), s.home_bytes["gpu"])
-        if self._filled and self._cover(stores, free):
-            return
-        if (not self._filled or self._refill) and all(s.steps_taken >= 1 for s in stores):
-            self._fill(stores, free)
+        self._read(stores)  # the rollout's interval: what this process needed meanwhile counts too
+        steps, self._steps_since_restore = self._steps_since_restore, 0
+        try:
+            if not self._filled:
+                return
+            if steps <= 1:
+                if "one step" not in self._warned:
+                    logger.info(
+                        "auto GPU budget: one training step between offloads: the device home is not filled at "
+                        "the restore (moving it out and in would cost what the step saves)"
+                    )
+                    self._warned.add("one step")
+                return
+            self._fill(stores, self._limit - self._need - self._home(stores))
+        finally:
+            self.memory.new_interval()
 
     def _fill(self, stores: list, free: int) -> None:
         self.free_at_last_fill = free
@@ -358,19 +366,19 @@ class AutoGpuBudget:
             for store in reversed(stores):  # the last store's buckets are the last a step visits
                 moved += store.move_to_gpu_home(pool - moved)
         finally:
-            self._credit = max(0, self._credit - moved)  # moved buckets take up what was given back first
             self._filled, self._refill = True, False
         logger.info(
-            "auto GPU budget: the peak left %.2f GB beyond the %.1f GB margin; %d buckets (%.2f GB) now stay on "
-            "the device",
+            "auto GPU budget: %.2f GB free beyond the %.1f GB margin (needed besides the home: %.2f GB); %d "
+            "buckets (%.2f GB) now stay on the device",
             pool / GB,
             self.margin / GB,
+            self._need / GB,
             sum(s.placement["gpu"] for s in stores),
             moved / GB,
         )
 
     def _cover(self, stores: list, free: int) -> bool:
-        """Give buckets back when free at the peak fell below the margin; whether it did."""
+        """Give buckets back when free fell below the margin; whether it did."""
         deficit = self.margin - free
         if deficit <= self.margin // 8:
             return False  # allocator rounding, or too little to matter yet: it adds up until it is not
@@ -378,13 +386,12 @@ class AutoGpuBudget:
         for store in stores:  # the first store's device buckets are the first a step visits
             if freed >= deficit:
                 break
-            given = store.move_from_gpu_home(deficit - freed)
-            self._credit_for(store, given)
-            freed += given
+            freed += store.move_from_gpu_home(deficit - freed)
+        self.memory.release_cache()  # the freed buckets leave the reservation the next interval starts from
         if freed or "short" not in self._warned:
             logger.warning(
-                "auto GPU budget: %.2f GB free at the device's peak, %.2f GB short of the %.1f GB margin (a "
-                "larger batch, another process); gave %.2f GB of buckets back to their host or disk homes%s",
+                "auto GPU budget: %.2f GB free, %.2f GB short of the %.1f GB margin (a larger batch, another "
+                "process); gave %.2f GB of buckets back to their host or disk homes%s",
                 max(free, 0) / GB,
                 deficit / GB,
                 self.margin / GB,

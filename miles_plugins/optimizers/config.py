@@ -139,10 +139,10 @@ class StreamConfig:
             Either budget may be ``"auto"`` (``auto_budget.py``): the host's is
             measured at setup (available memory and the cgroup's limit, less
             ``auto_host_margin_bytes``, shared by this node's ranks); the GPU's
-            after the first step, from the room the process had at its peak, less
+            after the first step: what the process may use, less what it needs
+            besides the home (the largest peak of any step or phase so far) and
             ``auto_gpu_margin_bytes``; buckets then move to the device, and go
-            back to where they were when that room shrinks by more than an eighth
-            of the margin.
+            back to where they were when less than the margin is left free.
         auto_gpu_margin_bytes, auto_host_margin_bytes: what ``"auto"`` leaves free.
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
             one-bucket-at-a-time baseline with buffered I/O).

@@ -32,7 +32,8 @@ optimizer state:
   format's per-rank state file): no-ops, for the same reason.
 - ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): the streamed
   state is off the GPU already, except the buckets its GPU budget keeps there,
-  which move to pinned host memory and back.
+  which move to pinned host memory and back (under an auto GPU budget: back to
+  their places below, and the home is filled again at the restore).
 
 Native-fp32 model params are their own mains (a view of the param buffer); their
 moments stream in buckets of their own, or stay resident beside them under a small

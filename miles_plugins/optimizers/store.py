@@ -450,9 +450,7 @@ class StreamingStore:
                     0,
                     errno.EIO,
                 )
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
-            return
+            return  # the budget gave the freed memory to the driver, for another process
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None:
             device_home.to_host(pin=torch.cuda.is_available())
@@ -501,7 +499,7 @@ class StreamingStore:
             return
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
-            self.auto_gpu.unregister(self, freed=self.home_bytes["gpu"])
+            self.auto_gpu.unregister(self)
         self._shut_down()
 
     def _shut_down(self) -> None:
