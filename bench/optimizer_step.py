@@ -246,8 +246,9 @@ def _timed_steps(
 ) -> tuple[list[float], int]:
     """Seconds of each of ``steps`` steps, and the device peak over them. ``before`` runs ahead
     of each step, finished and outside the timing and the peak (what a training loop does
-    between two steps). Without ``reset_peaks`` the peak is the process's (an auto GPU budget
-    reads the allocator's peak: a reset would hide the forward/backward stand-in from it)."""
+    between two steps). Without ``reset_peaks`` (the auto modes) the bench leaves the peak
+    statistics to the auto GPU budget, which reads and resets them at each step's end: the
+    peak reported is then only what the last interval left, not the step's own."""
     seconds, peak = [], 0
     for _ in range(steps):
         if before is not None:

@@ -271,6 +271,9 @@ class AutoGpuBudget:
         self._refill = True  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
             self.memory = CudaMemory(device)
+            # The first interval starts here: a peak from before (loading a checkpoint, the
+            # model's initialization) is no part of what training needs besides the home.
+            self.memory.new_interval()
         if self.memory is None:
             logger.info(
                 "auto GPU budget: the state's device is the CPU, whose memory the host budget covers; "

@@ -163,7 +163,7 @@ def train(
         ddp.finish_grad_sync()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        if reset_peaks:  # not under an auto GPU budget: it sizes the home by the peak so far
+        if reset_peaks:  # not under an auto GPU budget: it resets them itself, and reads them first
             torch.cuda.reset_peak_memory_stats()
         success, _, _ = optimizer.step()
         torch.cuda.synchronize()
