@@ -29,18 +29,20 @@ GiB = 1 << 30
 
 
 class SimulatedDevice:
-    """What ``CudaMemory`` reads from the CUDA allocator: a device of ``total`` bytes
-    on which each interval (a training step, a rollout) peaks at the activity plus
-    what ``held()`` says the gpu home keeps there; :meth:`new_interval` resets the
-    peak to what is held then, as ``reset_peak_memory_stats`` does."""
+    """What ``CudaMemory`` reads from the CUDA allocator, modelled as it behaves: a
+    device of ``total`` bytes on which a forward/backward uses the activity plus what
+    ``held()`` says the gpu home keeps there; the allocator keeps what it reserved
+    (cached) until :meth:`release_cache`, and :meth:`new_interval` restarts the peak
+    from what is reserved then, cache included, as ``reset_peak_memory_stats`` does."""
 
     def __init__(self, headroom: int, activity: int = 10 * GiB) -> None:
         self.total, self.activity = activity + headroom, activity
         self.held = lambda: 0
-        self._peak = activity
+        self._reserved = self._peak = activity
 
     def peak(self) -> int:
-        self._peak = max(self._peak, self.activity + self.held())
+        self._reserved = max(self._reserved, self.activity + self.held())  # the interval's forward/backward
+        self._peak = max(self._peak, self._reserved)
         return self._peak
 
     def record(self) -> None:
@@ -51,10 +53,10 @@ class SimulatedDevice:
         return self.total
 
     def new_interval(self) -> None:
-        self._peak = self.held()
+        self._peak = self._reserved
 
     def release_cache(self) -> None:
-        pass
+        self._reserved = self.held()  # only what is in use stays reserved
 
     def grow(self, nbytes: int) -> None:
         """The forward/backward peak grew (a larger batch), or shrank (negative)."""
