@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def deterministic_cuda():
+    """Deterministic kernels for a CUDA test that compares bytes (cuBLAS needs the workspace setting)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture

@@ -99,8 +99,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=0.0,
             help="GiB (2^30 bytes) of GPU memory per rank for buckets kept on the GPU between steps (no "
             "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert). 'auto': "
-            "after the first step, what the peak so far left, less --stream-optimizer-state-auto-gpu-margin-gb; "
-            "buckets go back to host or disk when a later peak grows",
+            "after the first step, what the largest peak so far left, less --stream-optimizer-state-auto-gpu-margin-gb; "
+            "buckets go back to host or disk when a later peak leaves less than that margin",
         ),
     ),
     (
@@ -110,7 +110,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=0.0,
             help="GiB (2^30 bytes) of pinned host memory per rank for buckets the GPU budget leaves, shared "
             "like it; the rest go to the tier. A step that fails after updating a bucket in host or GPU memory "
-            "cannot be rolled back. 'auto': at setup, MemAvailable or the cgroup's memory.max room, less "
+            "cannot be rolled back. 'auto': at setup, MemAvailable or the room under the cgroup's memory limit, less "
             "--stream-optimizer-state-auto-host-margin-gb, divided by this node's ranks",
         ),
     ),

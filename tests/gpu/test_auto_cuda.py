@@ -9,26 +9,25 @@ falls short and buckets go back. Judged against an
 independent resident run of the same model and batches.
 """
 
-import os
-
 import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from tests.unit.reference import same_bytes
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("deterministic_cuda"),
+]
 
 WIDTH, LAYERS, STEPS, GROW_AT = 2048, 6, 10, 5
 MARGIN = 256 << 20
 
 
 @pytest.fixture(autouse=True)
-def deterministic_and_uncapped():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+def uncapped():
     yield
-    torch.use_deterministic_algorithms(False)
     torch.cuda.set_per_process_memory_fraction(1.0)
 
 

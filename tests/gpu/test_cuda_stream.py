@@ -1,7 +1,6 @@
 """GPU tier for the store engine: CUDA tensors through the pinned staging buffer, bit for bit."""
 
 import functools
-import os
 
 import pytest
 import torch
@@ -10,15 +9,7 @@ from tests.unit.reference import assert_same_training, reference_run, same_bytes
 from tests.unit.test_bit_identity import STEPS, streamed_run
 from tests.unit.test_moment_dtypes import BF16_MAIN_TOLERANCE
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
