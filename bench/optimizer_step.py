@@ -756,7 +756,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auto", action="store_true", help="add the auto modes (measured budgets) to each regime")
     parser.add_argument("--auto-device-gib", type=float, default=24.0, help="auto modes: the device cap (GiB)")
     parser.add_argument("--auto-activation-gib", type=float, default=4.0, help="auto modes: activations (GiB)")
-    parser.add_argument("--auto-growth-gib", type=float, default=1.0, help="auto-growing: activation growth (GiB)")
+    parser.add_argument(
+        "--auto-growth-gib",
+        type=float,
+        default=2.0,
+        help="auto-growing: activation growth (GiB; at the margin, buckets go back)",
+    )
     parser.add_argument("--auto-gpu-margin-gib", type=float, default=2.0, help="auto modes: GPU margin (GiB)")
     parser.add_argument("--auto-host-margin-gib", type=float, default=1.0, help="auto modes: host margin (GiB)")
     parser.add_argument("--plot", metavar="JSON", help="draw a result file's placement points into a PNG beside it")

@@ -12,8 +12,9 @@ GPU (:class:`AutoGpuBudget`), after the first step: until then nobody knows the
 forward/backward peak, so every bucket starts in its host or disk home. The
 budget keeps what the process needs besides the home (the largest allocator
 peak of any interval so far, less the home held in it), plus the home, plus the
-margin, within what the process may use. Buckets move in from the last one a
-step visits backwards, as with a fixed budget; a bucket that moves keeps its
+margin, within what the process may use. Disk buckets move in first (each saves
+a step its drive transfers), from the last one a step visits backwards, then
+host buckets; host ones go back first. A bucket that moves keeps its
 place below (its files, or its host buffer), so giving it back never needs
 memory. The allocator's peak statistics are reset at the end of each interval
 (a training step, an offload, a restore). The moves run on the training thread,

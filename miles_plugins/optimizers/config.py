@@ -141,8 +141,9 @@ class StreamConfig:
             ``auto_host_margin_bytes``, shared by this node's ranks); the GPU's
             after the first step: what the process may use, less what it needs
             besides the home (the largest peak of any step or phase so far) and
-            ``auto_gpu_margin_bytes``; buckets then move to the device, and go
-            back to where they were when less than the margin is left free.
+            ``auto_gpu_margin_bytes``; buckets then move to the device (disk
+            ones first), and go back to where they were (host ones first)
+            when less than the margin is left free.
         auto_gpu_margin_bytes, auto_host_margin_bytes: what ``"auto"`` leaves free.
         engine: ``"pipelined"`` (overlapped, direct I/O) or ``"sync"`` (the
             one-bucket-at-a-time baseline with buffered I/O).

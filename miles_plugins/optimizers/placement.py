@@ -24,11 +24,10 @@ backing and its own I/O threads in the engine (``io_queue``).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -246,12 +245,14 @@ class PlacedBacking:
 def move_to_device_home(
     placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], budget: int, staging: HostMemory
 ) -> int:
-    """Move buckets into the ``gpu`` home, from the last one a step visits that is not
-    there backwards (the home stays one run at the end), while their stored sizes fit
-    ``budget``; returns the bytes moved. A bucket whose device memory cannot be had
-    stops it, with a warning: a step never fails for it."""
+    """Move buckets into the ``gpu`` home while their stored sizes fit ``budget``;
+    returns the bytes moved. Disk buckets go first, as each saves a step its drive
+    transfers, from the last one a step visits backwards (the disk home stays the
+    run the walk starts with); then host buckets, the same way. It stops at the
+    first that does not fit. A bucket whose device memory cannot be had stops it,
+    with a warning: a step never fails for it."""
     moved = 0
-    for bucket in _run_of(placed, reversed(buckets), lambda home: home != "gpu"):
+    for bucket in [b for home in ("disk", "host") for b in reversed(buckets) if placed.homes[b.index] == home]:
         if bucket.file_size > budget - moved:
             break
         try:
@@ -267,10 +268,13 @@ def move_to_device_home(
 def move_from_device_home(
     placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], nbytes: int, staging: HostMemory
 ) -> int:
-    """Give buckets of the ``gpu`` home back to their places below, first visited
-    first, until ``nbytes`` are freed (or none are left); returns the bytes freed."""
+    """Give buckets of the ``gpu`` home back to their places below until ``nbytes``
+    are freed (or none are left); returns the bytes freed. Those from host memory
+    go first (a step streams them back cheaper than from a drive), then those from
+    disk, each first visited first (the disk home stays one run)."""
     freed = 0
-    for bucket in _run_of(placed, buckets, lambda home: home == "gpu"):
+    on_device = [b for b in buckets if placed.homes[b.index] == "gpu"]
+    for bucket in sorted(on_device, key=lambda b: backing.below[b.index] != "host"):  # stable: walk order
         if freed >= nbytes:
             break
         try:
@@ -281,12 +285,6 @@ def move_from_device_home(
         placed.move(bucket.index, "host" if below == "host" else "disk")
         freed += bucket.file_size
     return freed
-
-
-def _run_of(placed: Placement, buckets, wanted) -> Iterator[BucketLayout]:
-    """The first run of ``buckets`` whose home is ``wanted``."""
-    run = itertools.dropwhile(lambda b: not wanted(placed.homes[b.index]), buckets)
-    return itertools.takewhile(lambda b: wanted(placed.homes[b.index]), run)
 
 
 def _copy(handle, buffer: torch.Tensor, staging: HostMemory, to_buffer: bool) -> None:

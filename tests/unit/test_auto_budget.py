@@ -116,6 +116,49 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     streamed.close()
 
 
+def _auto_over_disk_and_host(tmp_path, headroom_beyond_margin):
+    """An auto GPU budget over the disk home and a host budget that takes the last bucket."""
+    sizer = _auto(tmp_path / "sizes", "s")[3]
+    sizes = [b.file_size for b in sizer.store.buckets]
+    sizer.close()
+    model, optimizer, scheduler, streamed = _auto(tmp_path, host_budget_bytes=sizes[-1])
+    store = streamed.store
+    assert store.placement == {"gpu": 0, "host": 1, "disk": len(sizes) - 1}
+    device = SimulatedDevice(headroom=MARGIN + headroom_beyond_margin(sizes))
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    return model, optimizer, scheduler, streamed, device
+
+
+def test_the_device_takes_disk_buckets_before_host_ones(tmp_path):
+    # Room for the last two disk buckets and half of the one before, not for the host bucket as well.
+    model, optimizer, scheduler, streamed, _ = _auto_over_disk_and_host(
+        tmp_path, lambda sizes: sizes[-2] + sizes[-3] + sizes[-4] // 2
+    )
+    homes = streamed.store.placed.homes
+    train(model, optimizer, scheduler, range(0, 1))
+    # The step no longer streams them from the drive; the disk home is still the run the walk starts with.
+    assert homes == ["disk"] * (len(homes) - 3) + ["gpu", "gpu", "host"], homes
+    assert streamed.store._pipeline.drain_before == len(homes) - 3  # disk writes drain before in-place updates
+    train(model, optimizer, scheduler, range(1, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_the_device_gives_host_buckets_back_before_disk_ones(tmp_path):
+    model, optimizer, scheduler, streamed, device = _auto_over_disk_and_host(tmp_path, sum)
+    homes = streamed.store.placed.homes
+    train(model, optimizer, scheduler, range(0, 2))
+    assert homes == ["gpu"] * len(homes)
+    device.grow(MARGIN // 4)  # short of the margin by more than an eighth of it: one bucket goes back
+    train(model, optimizer, scheduler, range(2, 3))
+    # The one a step streams cheapest (from host memory), not the first visited (from the drive).
+    assert homes == ["gpu"] * (len(homes) - 1) + ["host"], homes
+    train(model, optimizer, scheduler, range(3, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
 def test_growth_beyond_what_the_device_holds_gives_back_everything_and_says_so(tmp_path, caplog):
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     store = streamed.store
