@@ -84,9 +84,15 @@ DEFAULT_IO_TIMEOUT_S = 300.0
 # the sync engine uses it as its one chunk. A chunk is one transfer request.
 DEFAULT_STAGING_BUDGET_MB = 128
 
-# The smallest request the split may make: with direct I/O, requests of 2 MiB, 4 or
-# more in flight, keep a drive busy. A budget too small to give every I/O thread a
-# chunk this large gets fewer threads.
+# The request the split aims for: a budget too small to give every I/O thread a chunk
+# this large funds fewer threads, each with larger requests. On the GPU machine's drive
+# (direct I/O) a 16 MiB budget stepped at 1.04x the disk bound as one 8 MiB request per
+# direction, and at 1.33-1.36x as two of 4 MiB or four of 2 MiB (bench/results/
+# optimizer_step-h200-2026-11-30-staging-split.json); the kernel splits a large request
+# into commands the drive serves in parallel, so fewer larger requests lose nothing.
+STAGING_REQUEST_MB = 8
+
+# The smallest request the split may make (a budget below two of them is refused).
 MIN_STAGING_CHUNK_MB = 2
 
 # Params whose model dtype is already fp32 are their own mains (the main *is* the
@@ -119,8 +125,9 @@ class StreamConfig:
             bucket is in flight at once is warned about.
         staging_budget_mb: host staging memory for transfers, in all (pinned on
             CUDA): the pipelined engine splits it into a chunk per I/O thread
-            and direction, each chunk one transfer request (at least
-            ``MIN_STAGING_CHUNK_MB``: a smaller budget gets fewer threads); the
+            and direction, each chunk one transfer request (``STAGING_REQUEST_MB``
+            or larger: a smaller budget funds fewer threads; at least
+            ``MIN_STAGING_CHUNK_MB``); the
             sync engine uses it whole as its one chunk. Streaming's host memory
             is bounded by it (``staging_bytes_total``).
         tier: the home of the buckets the budgets leave: ``"disk"`` (per-bucket
@@ -282,8 +289,8 @@ class StreamConfig:
     @property
     def transfer_threads(self) -> int:
         """I/O threads per direction the staging budget funds (pipelined): ``io_threads``,
-        or fewer when the budget cannot give each a chunk of ``MIN_STAGING_CHUNK_MB``."""
-        return max(1, min(self.io_threads, self.staging_budget_mb // (2 * MIN_STAGING_CHUNK_MB * self.io_queues)))
+        or fewer when the budget cannot give each a chunk of ``STAGING_REQUEST_MB``."""
+        return max(1, min(self.io_threads, self.staging_budget_mb // (2 * STAGING_REQUEST_MB * self.io_queues)))
 
     @property
     def staging_bytes(self) -> int:

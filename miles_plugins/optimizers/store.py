@@ -30,7 +30,7 @@ from miles_plugins.optimizers import auto_budget, quant8, remainder
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, MIN_STAGING_CHUNK_MB, StreamConfig
+from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
 from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
@@ -612,12 +612,12 @@ def _log_setup(store: StreamingStore) -> None:
     )
     if config.pipelined and config.transfer_threads < config.io_threads:
         logger.warning(
-            "a staging budget of %d MiB funds %d I/O threads per direction, not the %d asked for (each needs "
-            "two chunks of at least %d MiB); raise the budget for more requests in flight",
+            "a staging budget of %d MiB funds %d I/O threads per direction, not the %d asked for (each "
+            "gets two chunks of %d MiB requests or larger); raise the budget for more requests in flight",
             config.staging_budget_mb,
             config.transfer_threads,
             config.io_threads,
-            MIN_STAGING_CHUNK_MB,
+            STAGING_REQUEST_MB,
         )
 
 

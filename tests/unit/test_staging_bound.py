@@ -49,8 +49,8 @@ def test_host_memory_does_not_grow_with_state_size(tmp_path, engine):
 
 @pytest.mark.parametrize(
     "budget_mb, threads, chunk_mb",
-    [(16, 4, 2), (64, 4, 8), (256, 4, 32), (8, 2, 2), (4, 1, 2)],
-    ids=["16MiB", "64MiB", "256MiB-miles-default", "8MiB-two-threads", "4MiB-one-thread"],
+    [(16, 1, 8), (32, 2, 8), (64, 4, 8), (256, 4, 32), (8, 1, 4), (4, 1, 2)],
+    ids=["16MiB-one-thread", "32MiB-two-threads", "64MiB", "256MiB-miles-default", "8MiB", "4MiB-smallest"],
 )
 def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, caplog, budget_mb, threads, chunk_mb):
     """miles documents --offload-train-disk-chunk-mb as the pinned buffer that bounds
