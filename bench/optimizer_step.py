@@ -17,11 +17,13 @@ each in its own process so GPU peaks, RSS and page cache are its own:
   ``--optimizer-cpu-offload`` builds: CPU AdamW over fp32 copies), with
   megatron-core and a GPU only.
 
-Placement points (``--host-fractions 0,25,50,75,100``, ``--gpu-fractions``):
-``placed@host<P>`` streams pipelined-fp32 with the host budget at P% of the
-stored state (the rest on disk; 100: the host tier), ``placed@gpu<P>`` with the
-GPU budget at P%, and two of Megatron's offloads beside them in the same run
-(roomy regime):
+Placement points (``--host-fractions 0,25,50,75,100``, ``--gpu-fractions``,
+``--offload-fractions``): ``placed@host<P>`` streams pipelined-fp32 with the
+host budget at P% of the stored state (the rest on disk; 100: the host tier),
+``placed@gpu<P>`` with the GPU budget at P% (the rest on disk), and
+``placed@offload<P>`` with P% in host memory and the rest in the gpu home (no
+disk): the split Megatron's offloads make at fraction P/100, which run beside
+each ``placed@offload<P>`` in the same run (roomy regime):
 
 - ``megatron-cpu-offload@<P>`` (P > 0) is ``HybridDeviceOptimizer`` with
   ``optimizer_offload_fraction`` P/100 (the rest stepped on the GPU);
@@ -137,9 +139,9 @@ REGIMES = {
     "roomy": ["resident", "sync-fp32", "pipelined-fp32", "host", "host-rem", "megatron-cpu-offload"],
 }
 
-# Placement points: "placed@host<P>", "placed@gpu<P>", "megatron-cpu-offload@<P>",
+# Placement points: "placed@host<P>", "placed@gpu<P>", "placed@offload<P>", "megatron-cpu-offload@<P>",
 # "megatron-dev-chunked@<P>" (see the docstring).
-POINT = re.compile(r"(placed@host|placed@gpu|megatron-cpu-offload@|megatron-dev-chunked@)(\d+)")
+POINT = re.compile(r"(placed@host|placed@gpu|placed@offload|megatron-cpu-offload@|megatron-dev-chunked@)(\d+)")
 # Host memory <-> device the host part of a placed point's bound assumes (pinned, over PCIe 5).
 HOST_GBPS = 40
 
@@ -163,6 +165,8 @@ def _settings(mode: str, params: int) -> dict | None:
         return dict(tier="host") if percent == 100 else dict(host_budget_bytes=budget)
     if kind == "placed@gpu":
         return dict(gpu_budget_bytes=budget if percent < 100 else 2 * 12 * params)
+    if kind == "placed@offload":  # the gpu home takes the rest; what it leaves goes to host, never to disk
+        return dict(tier="host", gpu_budget_bytes=12 * params - budget if percent else 2 * 12 * params)
     return None
 
 
@@ -176,18 +180,29 @@ def _pinned_bytes(mode: str, params: int) -> int:
     # Dev's chunked offload: the fp32 main and both fp32 moments of each selected param, in pinned
     # buffers it keeps (12 bytes per param). It selects whole params until it reaches the
     # fraction, so it may pass it by one param: under 1/MIN_TENSORS of the state, inside the 5%.
-    per_param = {"placed@host": 12, "placed@gpu": 0, "megatron-cpu-offload@": 16, "megatron-dev-chunked@": 12}[kind]
+    per_param = {
+        "placed@host": 12,
+        "placed@gpu": 0,
+        "placed@offload": 12,
+        "megatron-cpu-offload@": 16,
+        "megatron-dev-chunked@": 12,
+    }[kind]
     return int(percent / 100 * per_param * params * 1.05)
 
 
-def _modes_of(regime: str, host_fractions: list[int], gpu_fractions: list[int], auto: bool = False) -> list[str]:
-    """A regime's modes, then its placement points (Megatron's offloads: roomy only; dev's
-    chunked offload at every fraction, 0 being its full disable), then (``--auto``) the auto
-    modes: constrained, auto sizes the host home by the cgroup's limit."""
-    points = [f"placed@host{p}" for p in host_fractions] + [f"placed@gpu{p}" for p in gpu_fractions]
-    if regime == "roomy":
-        points += [f"megatron-cpu-offload@{p}" for p in host_fractions if p > 0]
-        points += [f"megatron-dev-chunked@{p}" for p in host_fractions]
+def _modes_of(
+    regime: str, host_fractions: list[int], gpu_fractions: list[int], offload_fractions=(), auto: bool = False
+) -> list[str]:
+    """A regime's modes, then its placement points: each offload fraction's own point with
+    Megatron's two offloads at that fraction beside it (roomy only; dev's chunked offload at
+    every fraction, 0 being its full disable), then the host and gpu fractions' points, then
+    (``--auto``) the auto modes: constrained, auto sizes the host home by the cgroup's limit."""
+    points = []
+    for p in offload_fractions:
+        points.append(f"placed@offload{p}")
+        if regime == "roomy":
+            points += [f"megatron-cpu-offload@{p}"] * (p > 0) + [f"megatron-dev-chunked@{p}"]
+    points += [f"placed@host{p}" for p in host_fractions] + [f"placed@gpu{p}" for p in gpu_fractions]
     return REGIMES[regime] + points + (list(AUTO_MODES) if auto else [])
 
 
@@ -581,14 +596,11 @@ def _targets(regimes: dict) -> dict:
             point = _point(mode)
             if point and point[0] == "placed@host" and r.get("ratio_to_disk_bound") is not None:
                 points[f"{regime}: {mode} step / its bound (<= 1.15)"] = r["ratio_to_disk_bound"]
-            if point and point[0] == "megatron-cpu-offload@":
-                ours = f"placed@host{point[1]}"
-                points[f"{regime}: {mode} / {ours} (> 1)"] = ratio(get(regime, mode), get(regime, ours))
-            if point and point[0] == "megatron-dev-chunked@":
-                ours = f"placed@host{point[1]}"
-                points[f"{regime}: {mode} / {ours} (peer, no target; > 1: ours faster)"] = ratio(
-                    get(regime, mode), get(regime, ours)
+            if point and point[0] in ("megatron-cpu-offload@", "megatron-dev-chunked@"):
+                ours = (
+                    f"placed@offload{point[1]}"  # the same split of the state: P% in host memory, the rest on the GPU
                 )
+                points[f"{regime}: {mode} / {ours} (> 1)"] = ratio(get(regime, mode), get(regime, ours))
     growing = regimes.get("constrained", {}).get("auto-growing")
     if growing and "skipped" not in growing:
         points["constrained: auto-growing stepped on after its activations grew (1: no OOM)"] = float(
@@ -667,6 +679,7 @@ def _table(regimes: dict) -> str:
 
 PLOT_LABELS = {
     "placed@host": "streamed (host + disk)",
+    "placed@offload": "streamed (host + gpu)",
     "megatron-cpu-offload@": "Megatron HybridDeviceOptimizer",
     "megatron-dev-chunked@": "Megatron dev chunked state offload (PR #6244)",
 }
@@ -741,10 +754,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host-fractions",
         default="",
-        help="placement points: percents of the state in host memory, e.g. 0,25,50,75,100 (with "
-        "megatron-cpu-offload and megatron-dev-chunked at the same fractions in the roomy regime)",
+        help="placement points: percents of the state in host memory, the rest on disk, e.g. 0,25,50,75,100",
     )
-    parser.add_argument("--gpu-fractions", default="", help="placement points: percents of the state kept on the GPU")
+    parser.add_argument(
+        "--gpu-fractions", default="", help="placement points: percents of the state kept on the GPU (the rest on disk)"
+    )
+    parser.add_argument(
+        "--offload-fractions",
+        default="",
+        help="placement points: percents of the state in host memory, the rest on the GPU, with megatron-cpu-offload "
+        "and megatron-dev-chunked at the same fractions beside each in the roomy regime",
+    )
     parser.add_argument(
         "--dev-chunk-mb",
         type=int,
@@ -775,10 +795,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host_fractions = [int(p) for p in args.host_fractions.split(",") if p]
         gpu_fractions = [int(p) for p in args.gpu_fractions.split(",") if p]
+        offload_fractions = [int(p) for p in args.offload_fractions.split(",") if p]
     except ValueError:
-        parser.error("--host-fractions / --gpu-fractions: comma-separated whole percents")
-    if any(not 0 <= p <= 100 for p in host_fractions + gpu_fractions):
-        parser.error("--host-fractions / --gpu-fractions: percents from 0 to 100")
+        parser.error("--host-fractions / --gpu-fractions / --offload-fractions: comma-separated whole percents")
+    if any(not 0 <= p <= 100 for p in host_fractions + gpu_fractions + offload_fractions):
+        parser.error("--host-fractions / --gpu-fractions / --offload-fractions: percents from 0 to 100")
     if args.params <= 0 or args.steps <= 0:
         parser.error("--params and --steps must be positive")
     if args.dev_chunk_mb < 0:
@@ -848,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
             report["memory_max_bytes"] = limit
         results = {}
         try:
-            for mode in _modes_of(regime, host_fractions, gpu_fractions, args.auto):
+            for mode in _modes_of(regime, host_fractions, gpu_fractions, offload_fractions, args.auto):
                 if mode not in wanted and not _point(mode) and mode not in AUTO_MODES:
                     continue
                 why = _available(mode, torch.device(args.device))

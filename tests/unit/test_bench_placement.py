@@ -12,7 +12,8 @@ from bench import megatron_dev, optimizer_step
 def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--params", "400000", "--steps", "1", "--regimes", "roomy", "--modes", "pipelined-fp32"]
-    argv += ["--host-fractions", "0,50,100", "--gpu-fractions", "50", "--dir", str(tmp_path / "state")]
+    argv += ["--host-fractions", "0,50,100", "--gpu-fractions", "50", "--offload-fractions", "0,50,100"]
+    argv += ["--dir", str(tmp_path / "state")]
     assert optimizer_step.main([*argv, "--out", str(out)]) == 0
     # Each measurement says what it measured as it lands (a run cut short keeps its lines and its file).
     lines = capsys.readouterr().out.splitlines()
@@ -25,9 +26,15 @@ def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
         fraction = results[mode][f"{home}_fraction"]
         assert 0.3 < fraction <= 0.5, (mode, fraction)  # bucket granularity: at most the budget
         assert results[mode]["disk_bound_seconds"] > 0
+    # The peers' split: P% in host memory, the rest on the GPU, none on disk.
+    assert results["placed@offload0"]["placement"]["gpu"] == results["placed@offload0"]["buckets"]
+    assert results["placed@offload100"]["placement"]["host"] == results["placed@offload100"]["buckets"]
+    half = results["placed@offload50"]
+    assert half["placement"]["disk"] == 0 and 0.3 < half["host_fraction"] < 0.7, half["placement"]
     # Megatron's partial offloads sit beside them (skipped here: they need a GPU). Dev's chunked
     # offload has a point at every fraction (0 is its full disable), HybridDeviceOptimizer above 0.
     assert results["megatron-cpu-offload@50"]["skipped"] == "needs a GPU"
+    assert "megatron-cpu-offload@0" not in results
     for percent in (0, 50, 100):
         assert results[f"megatron-dev-chunked@{percent}"] == {
             "mode": f"megatron-dev-chunked@{percent}",
