@@ -597,9 +597,11 @@ def _targets(regimes: dict) -> dict:
             if point and point[0] == "placed@host" and r.get("ratio_to_disk_bound") is not None:
                 points[f"{regime}: {mode} step / its bound (<= 1.15)"] = r["ratio_to_disk_bound"]
             if point and point[0] in ("megatron-cpu-offload@", "megatron-dev-chunked@"):
-                ours = (
-                    f"placed@offload{point[1]}"  # the same split of the state: P% in host memory, the rest on the GPU
-                )
+                # The same split of the state: P% in host memory, the rest on the GPU (at 100 the
+                # host tier, which placed@host100 also is).
+                ours = f"placed@offload{point[1]}"
+                if ours not in results and point[1] == 100:
+                    ours = "placed@host100"
                 points[f"{regime}: {mode} / {ours} (> 1)"] = ratio(get(regime, mode), get(regime, ours))
     growing = regimes.get("constrained", {}).get("auto-growing")
     if growing and "skipped" not in growing:
@@ -686,35 +688,44 @@ PLOT_LABELS = {
 
 
 def plot(path: str) -> str:
-    """Step time against the fraction of the state in host memory, per regime: the
-    placed points and Megatron's two partial offloads. Returns the PNG's path."""
+    """Step time (log scale) against the fraction of the state in host memory, per
+    regime: the placed points and Megatron's two partial offloads, and dev's step plus
+    the copy back to the host it defers to the next forward (dashed). Returns the PNG's path."""
     from bench.plotting import pyplot
 
     plt = pyplot()
 
     with open(path) as f:
         report = json.load(f)
-    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    figure, axes = plt.subplots(figsize=(7, 5.5), dpi=120)
     for regime, results in report["regimes"].items():
         series: dict[str, list[tuple[float, float]]] = {}
         for mode, r in results.items():
             point = _point(mode)
             if point is None or point[0] == "placed@gpu" or "step_seconds" not in r:
                 continue
-            x = r.get("host_fraction", point[1] / 100)
-            label = PLOT_LABELS[point[0]]
-            series.setdefault(f"{label}, {regime}", []).append((x * 100, r["step_seconds"]))
+            x = r.get("host_fraction", point[1] / 100) * 100
+            kinds = [point[0]]
+            if mode == "placed@host100" and "placed@offload100" not in results:
+                kinds.append("placed@offload")  # the host tier: the end of both of our series
+            for kind in kinds:
+                series.setdefault(f"{PLOT_LABELS[kind]}, {regime}", []).append((x, r["step_seconds"]))
+            if "offload_for_forward_seconds" in r:
+                label = f"{PLOT_LABELS[point[0]]}, step + copy back to host, {regime}"
+                series.setdefault(label, []).append((x, r["step_seconds"] + r["offload_for_forward_seconds"]))
         for label, points in series.items():
             points.sort()
-            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            style = "--" if "copy back" in label else "-"
+            axes.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+    axes.set_yscale("log")
     axes.set_xlabel("optimizer state in host memory (%)")
     axes.set_ylabel("optimizer step (s)")
     axes.set_title(f"{report['params'] / 1e9:.2g}B params on {report.get('device_name', report['device'])}")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)  # below: no point hidden
     out = os.path.splitext(path)[0] + "-placement.png"
     figure.tight_layout()
-    figure.savefig(out)
+    figure.savefig(out, bbox_inches="tight")  # the legend below the axes included
     return out
 
 
