@@ -64,3 +64,19 @@ def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, ca
         assert sum(s.nbytes for s in stagings) == config.staging_bytes_total <= budget_mb << 20
     reduced = [r.getMessage() for r in caplog.records if "funds" in r.getMessage()]
     assert bool(reduced) == (threads < 4), reduced
+
+
+@pytest.mark.parametrize("budget_mb", [16, 4], ids=["16MiB-one-8MiB-request", "4MiB-smallest"])
+def test_one_transfer_thread_per_direction_trains_as_the_reference(tmp_path, budget_mb):
+    """Small budgets fund one I/O thread per direction: every bucket's reads and writes
+    queue on it, while three buckets are in flight, and training is unchanged."""
+    from tests.unit.reference import assert_same_training, reference_run
+    from tests.unit.test_checkpoint import STEPS, fresh, state_of, train
+
+    model, optimizer, scheduler, streamed = fresh(
+        tmp_path, "rank0", bucket_cap_elements=500, staging_budget_mb=budget_mb
+    )
+    assert streamed.store.config.transfer_threads == 1 and len(streamed.store.buckets) > 3
+    train(model, optimizer, scheduler, range(STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
