@@ -38,6 +38,7 @@ from typing import Protocol
 import torch
 
 from miles_plugins.optimizers.config import AUTO
+from miles_plugins.optimizers.placement import DEVICE_FILL_ORDER
 
 logger = logging.getLogger(__name__)
 
@@ -367,8 +368,11 @@ class AutoGpuBudget:
         self.memory.release_cache()
         moved = 0
         try:
-            for store in reversed(stores):  # the last store's buckets are the last a step visits
-                moved += store.move_to_gpu_home(pool - moved)
+            # Every store's disk buckets before any store's host ones; within a home, the last
+            # store's buckets are the last a step visits.
+            for home in DEVICE_FILL_ORDER:
+                for store in reversed(stores):
+                    moved += store.move_to_gpu_home(pool - moved, home)
         finally:
             self._filled, self._refill = True, False
         logger.info(
@@ -387,10 +391,10 @@ class AutoGpuBudget:
         if deficit <= self.margin // 8:
             return False  # allocator rounding, or too little to matter yet: it adds up until it is not
         freed = 0
-        for store in stores:  # the first store's device buckets are the first a step visits
-            if freed >= deficit:
-                break
-            freed += store.move_from_gpu_home(deficit - freed)
+        for home in reversed(DEVICE_FILL_ORDER):  # host ones first: a step streams them back cheaper
+            for store in stores:  # the first store's device buckets are the first a step visits
+                if freed < deficit:
+                    freed += store.move_from_gpu_home(deficit - freed, home)
         self.memory.release_cache()  # the freed buckets leave the reservation the next interval starts from
         if freed or "short" not in self._warned:
             logger.warning(

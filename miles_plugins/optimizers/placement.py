@@ -7,7 +7,10 @@ memory, ``HostBacking``) and ``disk`` (two slots of files, ``FileBacking``).
 bucket a step visits backwards; the rest go to the tier. The step walks buckets
 in order, so the disk buckets come first: their reads start with the prefetch
 and stream while they compute, and the buckets at home in memory update at the
-end, while the last disk writes drain.
+end, once the disk writes have drained (below). An auto GPU budget moves
+buckets between steps (:func:`move_to_device_home`: disk ones first, from the
+end of the disk run, then host ones), so the disk home stays the run the walk
+starts with while the gpu and host homes may alternate after it.
 
 Each home keeps its failure semantics: the disk home writes a step to the spare
 slots and commits at the end; the host and gpu homes write in place, so a step
@@ -242,17 +245,27 @@ class PlacedBacking:
             backing.release()
 
 
+# The homes an auto GPU budget takes buckets from, costliest to stream first: a disk
+# bucket on the device saves a step its drive transfers, a host one only PCIe.
+# Buckets go back in the reverse order.
+DEVICE_FILL_ORDER = ("disk", "host")
+
+
 def move_to_device_home(
-    placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], budget: int, staging: HostMemory
+    placed: Placement,
+    backing: PlacedBacking,
+    buckets: Sequence[BucketLayout],
+    budget: int,
+    staging: HostMemory,
+    home: str,
 ) -> int:
-    """Move buckets into the ``gpu`` home while their stored sizes fit ``budget``;
-    returns the bytes moved. Disk buckets go first, as each saves a step its drive
-    transfers, from the last one a step visits backwards (the disk home stays the
-    run the walk starts with); then host buckets, the same way. It stops at the
-    first that does not fit. A bucket whose device memory cannot be had stops it,
-    with a warning: a step never fails for it."""
+    """Move buckets of ``home`` into the ``gpu`` home while their stored sizes fit
+    ``budget``, from the last one a step visits backwards (what stays in ``home`` is
+    still the run it was: the disk home the one the walk starts with), up to the
+    first that does not fit; returns the bytes moved. A bucket whose device memory
+    cannot be had stops it, with a warning: a step never fails for it."""
     moved = 0
-    for bucket in [b for home in ("disk", "host") for b in reversed(buckets) if placed.homes[b.index] == home]:
+    for bucket in [b for b in reversed(buckets) if placed.homes[b.index] == home]:
         if bucket.file_size > budget - moved:
             break
         try:
@@ -266,23 +279,28 @@ def move_to_device_home(
 
 
 def move_from_device_home(
-    placed: Placement, backing: PlacedBacking, buckets: Sequence[BucketLayout], nbytes: int, staging: HostMemory
+    placed: Placement,
+    backing: PlacedBacking,
+    buckets: Sequence[BucketLayout],
+    nbytes: int,
+    staging: HostMemory,
+    home: str,
 ) -> int:
-    """Give buckets of the ``gpu`` home back to their places below until ``nbytes``
-    are freed (or none are left); returns the bytes freed. Those from host memory
-    go first (a step streams them back cheaper than from a drive), then those from
-    disk, each first visited first (the disk home stays one run)."""
+    """Give buckets of the ``gpu`` home whose place below is ``home`` back to it, first
+    visited first (``home`` grows as the run it was), until ``nbytes`` are freed or
+    none are left; returns the bytes freed."""
     freed = 0
-    on_device = [b for b in buckets if placed.homes[b.index] == "gpu"]
-    for bucket in sorted(on_device, key=lambda b: backing.below[b.index] != "host"):  # stable: walk order
+    for bucket in [b for b in buckets if placed.homes[b.index] == "gpu"]:
         if freed >= nbytes:
             break
+        if (backing.below[bucket.index] == "host") != (home == "host"):  # disk places are ("disk", i)
+            continue
         try:
-            below = backing.move_back(bucket, staging)
+            backing.move_back(bucket, staging)
         except Exception as exc:
             logger.warning("auto GPU budget: bucket %d stays on the device: %s", bucket.index, exc)
             break
-        placed.move(bucket.index, "host" if below == "host" else "disk")
+        placed.move(bucket.index, home)
         freed += bucket.file_size
     return freed
 

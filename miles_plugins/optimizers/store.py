@@ -44,6 +44,7 @@ from miles_plugins.optimizers.layout import (
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
 from miles_plugins.optimizers.placement import (
+    DEVICE_FILL_ORDER,
     PlacedBacking,
     Placement,
     move_from_device_home,
@@ -318,22 +319,23 @@ class StreamingStore:
 
     # ---- auto GPU budget (auto_budget.py) --------------------------------------
 
-    def move_to_gpu_home(self, budget: int) -> int:
-        """Move buckets into the ``gpu`` home while their stored sizes fit ``budget``
-        (``placement.move_to_device_home``); returns the bytes moved. Call between steps."""
-        return self._move(move_to_device_home, budget)
+    def move_to_gpu_home(self, budget: int, home: str) -> int:
+        """Move buckets of ``home`` (``"disk"`` or ``"host"``) into the ``gpu`` home while
+        their stored sizes fit ``budget`` (``placement.move_to_device_home``); returns the
+        bytes moved. Call between steps."""
+        return self._move(move_to_device_home, budget, home)
 
-    def move_from_gpu_home(self, nbytes: int) -> int:
-        """Give buckets of the ``gpu`` home back to their places below until ``nbytes``
-        are freed (``placement.move_from_device_home``); returns the bytes freed."""
-        return self._move(move_from_device_home, nbytes)
+    def move_from_gpu_home(self, nbytes: int, home: str) -> int:
+        """Give buckets of the ``gpu`` home whose place below is ``home`` back to it until
+        ``nbytes`` are freed (``placement.move_from_device_home``); returns the bytes freed."""
+        return self._move(move_from_device_home, nbytes, home)
 
-    def _move(self, move, nbytes: int) -> int:
+    def _move(self, move, nbytes: int, home: str) -> int:
         self._settle()  # nothing prefetched may read a bucket whose place changes
         device_home = self._backing.by_key.get("gpu")
         if device_home is not None and device_home.offloaded:
             return 0
-        done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer())
+        done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer(), home)
         self._pipeline.drain_before = self._first_written_in_place()
         return done
 
@@ -441,7 +443,9 @@ class StreamingStore:
         self._settle()
         if self.auto_gpu is not None:
             # Each bucket there has its place below: give them back, pinning nothing more.
-            self.auto_gpu.offload(self, lambda: self.move_from_gpu_home(self.home_bytes["gpu"]))
+            self.auto_gpu.offload(
+                self, lambda: [self.move_from_gpu_home(self.home_bytes["gpu"], home) for home in DEVICE_FILL_ORDER]
+            )
             if self.home_bytes["gpu"]:
                 raise StreamIOError(
                     f"{self.placement['gpu']} buckets of the device home could not go back to their places "

@@ -130,19 +130,57 @@ def _auto_over_disk_and_host(tmp_path, headroom_beyond_margin):
     return model, optimizer, scheduler, streamed, device
 
 
-def test_the_device_takes_disk_buckets_before_host_ones(tmp_path):
-    # Room for the last two disk buckets and half of the one before, not for the host bucket as well.
-    model, optimizer, scheduler, streamed, _ = _auto_over_disk_and_host(
-        tmp_path, lambda sizes: sizes[-2] + sizes[-3] + sizes[-4] // 2
-    )
+@pytest.mark.parametrize(
+    "room, left",
+    [
+        # Room for the last two disk buckets, not for the one before, nor for the host bucket after them.
+        (lambda sizes: sizes[-2] + sizes[-3] + sizes[-1] // 2, ["gpu", "gpu", "host"]),
+        # No room for the last disk bucket, room for the host one: a disk bucket that does not fit stops
+        # only the disk buckets.
+        (lambda sizes: sizes[-1] + (sizes[-2] - sizes[-1]) // 2, ["disk", "disk", "gpu"]),
+    ],
+    ids=["disk-first", "host-when-no-disk-bucket-fits"],
+)
+def test_the_device_takes_disk_buckets_before_host_ones(tmp_path, room, left):
+    model, optimizer, scheduler, streamed, _ = _auto_over_disk_and_host(tmp_path, room)
     homes = streamed.store.placed.homes
     train(model, optimizer, scheduler, range(0, 1))
     # The step no longer streams them from the drive; the disk home is still the run the walk starts with.
-    assert homes == ["disk"] * (len(homes) - 3) + ["gpu", "gpu", "host"], homes
-    assert streamed.store._pipeline.drain_before == len(homes) - 3  # disk writes drain before in-place updates
+    assert homes == ["disk"] * (len(homes) - 3) + left, homes
+    first_in_memory = homes.index(next(h for h in homes if h != "disk"))
+    assert streamed.store._pipeline.drain_before == first_in_memory  # disk writes drain before in-place updates
     train(model, optimizer, scheduler, range(1, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
+
+
+def test_stores_sharing_a_budget_give_every_disk_bucket_before_any_host_one(tmp_path):
+    """Across stores too: the second store's host buckets wait for the first store's disk ones,
+    and go back before them."""
+    disk_run = _auto(tmp_path / "a", name="a")
+    host_run = _auto(tmp_path / "b", name="b", tier="host")
+    stores = [run[3].store for run in (disk_run, host_run)]
+    sizes = [b.file_size for b in stores[0].buckets]
+    device = SimulatedDevice(headroom=MARGIN + sum(sizes) + sizes[-1])  # the disk store's buckets, and one more
+    device.held = lambda: sum(s.home_bytes["gpu"] for s in stores)
+    stores[0].auto_gpu.memory = device
+
+    def step(i):
+        for model, optimizer, scheduler, _ in (disk_run, host_run):
+            train(model, optimizer, scheduler, range(i, i + 1))
+
+    step(0)
+    assert stores[0].placed.homes == ["gpu"] * len(sizes)
+    assert stores[1].placed.homes == ["host"] * (len(sizes) - 1) + ["gpu"]
+    step(1)
+    device.grow(MARGIN // 4)  # one bucket goes back: the second store's, from host memory
+    step(2)
+    assert stores[0].placed.homes == ["gpu"] * len(sizes) and stores[1].placed.homes == ["host"] * len(sizes)
+    for i in range(3, STEPS):
+        step(i)
+    for model, _, _, streamed in (disk_run, host_run):
+        assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+        streamed.close()
 
 
 def test_the_device_gives_host_buckets_back_before_disk_ones(tmp_path):
