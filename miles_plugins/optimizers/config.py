@@ -84,15 +84,15 @@ DEFAULT_IO_TIMEOUT_S = 300.0
 # the sync engine uses it as its one chunk. A chunk is one transfer request.
 DEFAULT_STAGING_BUDGET_MB = 128
 
-# The request the split aims for: a budget too small to give every I/O thread a chunk
-# this large funds fewer threads, each with larger requests. On the GPU machine's drive
-# (direct I/O) a 16 MiB budget stepped at 1.04x the disk bound as one 8 MiB request per
-# direction, and at 1.33-1.36x as two of 4 MiB or four of 2 MiB (bench/results/
-# optimizer_step-h200-2026-11-30-staging-split.json); the kernel splits a large request
-# into commands the drive serves in parallel, so fewer larger requests lose nothing.
+# The request the split aims for: a budget (each directory's share, with several) too
+# small to give every I/O thread chunks this large funds fewer threads, each with larger
+# requests. On the GPU machine's drive (direct I/O), the step at 16 MiB over the step at
+# 256 MiB of the same run: 1.18 as four 2 MiB requests per direction (the slowest budget
+# in each of three rounds), 1.14 as two of 4 MiB; 0.92 and 0.87 as one of 8 MiB (README,
+# Staging budget).
 STAGING_REQUEST_MB = 8
 
-# The smallest request the split may make (a budget below two of them is refused).
+# The smallest request the split may make (a budget below two of them per directory is refused).
 MIN_STAGING_CHUNK_MB = 2
 
 # Params whose model dtype is already fp32 are their own mains (the main *is* the
@@ -142,7 +142,9 @@ class StreamConfig:
         host_budget_bytes: pinned host memory for buckets the GPU budget did not
             take (the ``host`` home), filled next, the same way; the rest go to
             ``tier``. Each home is one run of buckets, every disk bucket before
-            every in-memory one. Placement never changes a result or a checkpoint.
+            every in-memory one (an auto GPU budget's moves keep the disk home
+            first; the gpu and host homes may then alternate). Placement never
+            changes a result or a checkpoint.
             Either budget may be ``"auto"`` (``auto_budget.py``): the host's is
             measured at setup (available memory and the cgroup's limit, less
             ``auto_host_margin_bytes``, shared by this node's ranks); the GPU's

@@ -57,13 +57,15 @@ def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, ca
     host memory: the engine's staging chunks add up to it, never 2 x io_threads times it."""
     model = torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16)
     config = StreamConfig(directory=str(tmp_path), staging_budget_mb=budget_mb)
-    with caplog.at_level(logging.WARNING), StreamedOptimizer(torch.optim.AdamW(model.parameters()), config) as streamed:
+    with caplog.at_level(logging.INFO), StreamedOptimizer(torch.optim.AdamW(model.parameters()), config) as streamed:
         stagings = streamed.store._engine._stagings
         assert len(stagings) == 2 * threads
         assert {s.nbytes for s in stagings} == {chunk_mb << 20}
         assert sum(s.nbytes for s in stagings) == config.staging_bytes_total <= budget_mb << 20
     reduced = [r.getMessage() for r in caplog.records if "funds" in r.getMessage()]
     assert bool(reduced) == (threads < 4), reduced
+    if reduced:  # what it says is what it allocated
+        assert f"funds {threads} of the 4 I/O threads" in reduced[0] and f"requests of {chunk_mb:g} MiB" in reduced[0]
 
 
 @pytest.mark.parametrize("budget_mb", [16, 4], ids=["16MiB-one-8MiB-request", "4MiB-smallest"])
