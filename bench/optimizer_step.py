@@ -170,7 +170,7 @@ def _settings(mode: str, params: int) -> dict | None:
     return None
 
 
-def _pinned_bytes(mode: str, params: int) -> int:
+def _pinned_bytes(mode: str, params: int, bucket_cap: int) -> int:
     """Host memory a mode holds on purpose (a constrained cgroup is raised by it)."""
     point = _point(mode)
     if point is None:
@@ -187,7 +187,10 @@ def _pinned_bytes(mode: str, params: int) -> int:
         "megatron-cpu-offload@": 16,
         "megatron-dev-chunked@": 12,
     }[kind]
-    return int(percent / 100 * per_param * params * 1.05)
+    pinned = int(percent / 100 * per_param * params * 1.05)
+    if kind == "placed@offload":  # host memory takes what the gpu budget leaves: up to a bucket more
+        pinned += 12 * bucket_cap
+    return pinned
 
 
 def _modes_of(
@@ -475,7 +478,7 @@ def _child(mode: str, args: argparse.Namespace, cgroup: str | None, staging_mb: 
     if cgroup:
         # What the mode pins on purpose comes on top of the limit that keeps its disk part honest.
         with open(os.path.join(cgroup, "memory.max"), "w") as f:
-            f.write(str(limit + _pinned_bytes(mode, args.params)))
+            f.write(str(limit + _pinned_bytes(mode, args.params, args.bucket_cap)))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     cmd = [sys.executable, "-m", "bench.optimizer_step", "--child", mode, "--child-out", result_path]

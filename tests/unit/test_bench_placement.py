@@ -59,8 +59,10 @@ def test_dev_chunked_points_say_why_a_checkout_cannot_serve_them(tmp_path, monke
     offloader.write_text("")
     assert optimizer_step._available(mode, gpu) is None
     # What it pins on purpose raises a constrained cgroup: fp32 main and moments of its fraction.
-    assert optimizer_step._pinned_bytes(mode, 1000) == int(0.5 * 12 * 1000 * 1.05)
-    assert optimizer_step._pinned_bytes("megatron-dev-chunked@0", 1000) == 0
+    assert optimizer_step._pinned_bytes(mode, 1000, 100) == int(0.5 * 12 * 1000 * 1.05)
+    assert optimizer_step._pinned_bytes("megatron-dev-chunked@0", 1000, 100) == 0
+    # Ours at the peers' split: host memory takes what the gpu budget leaves, up to a bucket more.
+    assert optimizer_step._pinned_bytes("placed@offload25", 1000, 100) == int(0.25 * 12 * 1000 * 1.05) + 1200
 
 
 def test_auto_modes_measure_their_budgets_and_record_where_buckets_were(tmp_path):
