@@ -369,10 +369,14 @@ class AutoGpuBudget:
         moved = 0
         try:
             # Every store's disk buckets before any store's host ones; within a home, the last
-            # store's buckets are the last a step visits.
-            for home in DEVICE_FILL_ORDER:
-                for store in reversed(stores):
-                    moved += store.move_to_gpu_home(pool - moved, home)
+            # store's buckets are the last a step visits. Device memory that cannot be had
+            # stops them all (another try would only fail again, warning again).
+            moves = ((home, store) for home in DEVICE_FILL_ORDER for store in reversed(stores))
+            for home, store in moves:
+                done, out_of_memory = store.move_to_gpu_home(pool - moved, home)
+                moved += done
+                if out_of_memory:
+                    break
         finally:
             self._filled, self._refill = True, False
         logger.info(

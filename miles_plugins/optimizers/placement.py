@@ -8,9 +8,10 @@ bucket a step visits backwards; the rest go to the tier. The step walks buckets
 in order, so the disk buckets come first: their reads start with the prefetch
 and stream while they compute, and the buckets at home in memory update at the
 end, once the disk writes have drained (below). An auto GPU budget moves
-buckets between steps (:func:`move_to_device_home`: disk ones first, from the
-end of the disk run, then host ones), so the disk home stays the run the walk
-starts with while the gpu and host homes may alternate after it.
+buckets between steps (:func:`move_to_device_home`, one home at a time: disk
+buckets from the end of the disk run, then host ones, ``DEVICE_FILL_ORDER``),
+so the disk home stays the run the walk starts with while the gpu and host
+homes may alternate after it.
 
 Each home keeps its failure semantics: the disk home writes a step to the spare
 slots and commits at the end; the host and gpu homes write in place, so a step
@@ -251,6 +252,11 @@ class PlacedBacking:
 DEVICE_FILL_ORDER = ("disk", "host")
 
 
+def _check_home(home: str) -> None:
+    if home not in DEVICE_FILL_ORDER:
+        raise ValueError(f"a bucket moves between the gpu home and one of {DEVICE_FILL_ORDER}, not {home!r}")
+
+
 def move_to_device_home(
     placed: Placement,
     backing: PlacedBacking,
@@ -258,12 +264,14 @@ def move_to_device_home(
     budget: int,
     staging: HostMemory,
     home: str,
-) -> int:
+) -> tuple[int, bool]:
     """Move buckets of ``home`` into the ``gpu`` home while their stored sizes fit
     ``budget``, from the last one a step visits backwards (what stays in ``home`` is
     still the run it was: the disk home the one the walk starts with), up to the
-    first that does not fit; returns the bytes moved. A bucket whose device memory
-    cannot be had stops it, with a warning: a step never fails for it."""
+    first that does not fit. Returns the bytes moved and whether a move failed: a
+    bucket whose device memory cannot be had stops it, with a warning (a step never
+    fails for it), and the caller should try no more moves until the next fill."""
+    _check_home(home)
     moved = 0
     for bucket in [b for b in reversed(buckets) if placed.homes[b.index] == home]:
         if bucket.file_size > budget - moved:
@@ -271,11 +279,13 @@ def move_to_device_home(
         try:
             backing.move_to_device(bucket, staging)
         except Exception as exc:
-            logger.warning("auto GPU budget: bucket %d stays where it is: %s", bucket.index, exc)
-            break
+            logger.warning(
+                "auto GPU budget: bucket %d stays where it is, and no more move this time: %s", bucket.index, exc
+            )
+            return moved, True
         placed.move(bucket.index, "gpu")
         moved += bucket.file_size
-    return moved
+    return moved, False
 
 
 def move_from_device_home(
@@ -289,6 +299,7 @@ def move_from_device_home(
     """Give buckets of the ``gpu`` home whose place below is ``home`` back to it, first
     visited first (``home`` grows as the run it was), until ``nbytes`` are freed or
     none are left; returns the bytes freed."""
+    _check_home(home)
     freed = 0
     for bucket in [b for b in buckets if placed.homes[b.index] == "gpu"]:
         if freed >= nbytes:

@@ -319,22 +319,23 @@ class StreamingStore:
 
     # ---- auto GPU budget (auto_budget.py) --------------------------------------
 
-    def move_to_gpu_home(self, budget: int, home: str) -> int:
+    def move_to_gpu_home(self, budget: int, home: str) -> tuple[int, bool]:
         """Move buckets of ``home`` (``"disk"`` or ``"host"``) into the ``gpu`` home while
         their stored sizes fit ``budget`` (``placement.move_to_device_home``); returns the
-        bytes moved. Call between steps."""
-        return self._move(move_to_device_home, budget, home)
+        bytes moved and whether device memory ran out. Call between steps."""
+        return self._move(move_to_device_home, budget, home) if not self._device_home_offloaded() else (0, False)
 
     def move_from_gpu_home(self, nbytes: int, home: str) -> int:
         """Give buckets of the ``gpu`` home whose place below is ``home`` back to it until
         ``nbytes`` are freed (``placement.move_from_device_home``); returns the bytes freed."""
-        return self._move(move_from_device_home, nbytes, home)
+        return self._move(move_from_device_home, nbytes, home) if not self._device_home_offloaded() else 0
 
-    def _move(self, move, nbytes: int, home: str) -> int:
-        self._settle()  # nothing prefetched may read a bucket whose place changes
+    def _device_home_offloaded(self) -> bool:
         device_home = self._backing.by_key.get("gpu")
-        if device_home is not None and device_home.offloaded:
-            return 0
+        return device_home is not None and device_home.offloaded
+
+    def _move(self, move, nbytes: int, home: str):
+        self._settle()  # nothing prefetched may read a bucket whose place changes
         done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer(), home)
         self._pipeline.drain_before = self._first_written_in_place()
         return done
@@ -444,7 +445,10 @@ class StreamingStore:
         if self.auto_gpu is not None:
             # Each bucket there has its place below: give them back, pinning nothing more.
             self.auto_gpu.offload(
-                self, lambda: [self.move_from_gpu_home(self.home_bytes["gpu"], home) for home in DEVICE_FILL_ORDER]
+                self,
+                lambda: sum(
+                    self.move_from_gpu_home(self.home_bytes["gpu"], home) for home in reversed(DEVICE_FILL_ORDER)
+                ),
             )
             if self.home_bytes["gpu"]:
                 raise StreamIOError(
@@ -617,14 +621,14 @@ def _log_setup(store: StreamingStore) -> None:
     if config.pipelined and config.transfer_threads < config.io_threads:
         # By design (fewer, larger requests), so not a warning; said for whoever asked for more threads.
         logger.info(
-            "a staging budget of %d MiB funds %d of the %d I/O threads per direction%s: requests of %g MiB "
-            "(fewer threads with larger requests: smaller ones were slower on NVMe; %d MiB funds them all)",
+            "%d MiB of staging (this store's) funds %d of the %d I/O threads per direction%s: requests of %g MiB "
+            "(fewer threads with larger requests: smaller ones were slower on NVMe; each thread takes 2 x %d MiB)",
             config.staging_budget_mb,
             config.transfer_threads,
             config.io_threads,
             f" and directory ({config.io_queues} directories)" if config.io_queues > 1 else "",
             config.staging_bytes / 2**20,
-            2 * STAGING_REQUEST_MB * config.io_threads * config.io_queues,
+            STAGING_REQUEST_MB,
         )
 
 

@@ -212,10 +212,14 @@ def test_growth_beyond_what_the_device_holds_gives_back_everything_and_says_so(t
     streamed.close()
 
 
-def test_device_memory_that_cannot_be_had_stops_the_moves_and_training_goes_on(tmp_path, caplog, monkeypatch):
-    model, optimizer, scheduler, streamed = _auto(tmp_path)
-    store = streamed.store
-    store.auto_gpu.memory = SimulatedDevice(headroom=1 << 40)  # room for all: the allocator says otherwise
+def test_device_memory_that_cannot_be_had_stops_every_move_and_training_goes_on(tmp_path, caplog, monkeypatch):
+    # Two stores sharing the budget, each over disk and host: four passes a fill could make.
+    sizer = _auto(tmp_path / "sizes", "s")[3]
+    last = sizer.store.buckets[-1].file_size
+    sizer.close()
+    runs = [_auto(tmp_path / name, name=name, host_budget_bytes=last) for name in ("a", "b")]
+    stores = [run[3].store for run in runs]
+    stores[0].auto_gpu.memory = SimulatedDevice(headroom=1 << 40)  # room for all: the allocator says otherwise
     add, calls = DeviceBacking.add, []
 
     def add_twice(self, bucket):
@@ -225,10 +229,15 @@ def test_device_memory_that_cannot_be_had_stops_the_moves_and_training_goes_on(t
         return add(self, bucket)
 
     monkeypatch.setattr(DeviceBacking, "add", add_twice)
-    train(model, optimizer, scheduler, range(STEPS))
-    assert len(_gpu_run(store)) == 2 and "stays where it is" in caplog.text
-    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
-    streamed.close()
+    for i in range(STEPS):
+        for model, optimizer, scheduler, _ in runs:
+            train(model, optimizer, scheduler, range(i, i + 1))
+    # The failed allocation stopped the fill: no other store or home tried again (nor warned again).
+    assert len(calls) == 3 and caplog.text.count("stays where it is") == 1, calls
+    assert sum(s.placement["gpu"] for s in stores) == 2
+    for model, _, _, streamed in runs:
+        assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+        streamed.close()
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,8 @@ def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, ca
     reduced = [r.getMessage() for r in caplog.records if "funds" in r.getMessage()]
     assert bool(reduced) == (threads < 4), reduced
     if reduced:  # what it says is what it allocated
-        assert f"funds {threads} of the 4 I/O threads" in reduced[0] and f"requests of {chunk_mb:g} MiB" in reduced[0]
+        assert f"{budget_mb} MiB of staging (this store's) funds {threads} of the 4 I/O threads" in reduced[0]
+        assert f"requests of {chunk_mb:g} MiB" in reduced[0]
 
 
 @pytest.mark.parametrize("budget_mb", [16, 4], ids=["16MiB-one-8MiB-request", "4MiB-smallest"])
