@@ -331,8 +331,12 @@ class StreamingStore:
         return self._move(move_from_device_home, nbytes, home) if not self._device_home_offloaded() else 0
 
     def _device_home_offloaded(self) -> bool:
-        device_home = self._backing.by_key.get("gpu")
-        return device_home is not None and device_home.offloaded
+        return self._device_home is not None and self._device_home.offloaded
+
+    @property
+    def _device_home(self) -> DeviceBacking | None:
+        """The ``gpu`` home's backing, once a bucket has lived there."""
+        return self._backing.by_key.get("gpu")
 
     def _move(self, move, nbytes: int, home: str):
         self._settle()  # nothing prefetched may read a bucket whose place changes
@@ -459,7 +463,7 @@ class StreamingStore:
                     errno.EIO,
                 )
             return  # the budget gave the freed memory to the driver, for another process
-        device_home = self._backing.by_key.get("gpu")
+        device_home = self._device_home
         if device_home is not None:
             device_home.to_host(pin=torch.cuda.is_available())
             if self._device.type == "cuda":
@@ -472,7 +476,7 @@ class StreamingStore:
         if self.auto_gpu is not None:
             self.auto_gpu.restored(self)
             return
-        device_home = self._backing.by_key.get("gpu")
+        device_home = self._device_home
         if device_home is not None:
             device_home.to_device()
 
