@@ -709,7 +709,8 @@ def plot(path: str) -> str:
                 continue
             x = r.get("host_fraction", point[1] / 100) * 100
             kinds = [point[0]]
-            if mode == "placed@host100" and "placed@offload100" not in results:
+            offload_points = any(m.startswith("placed@offload") for m in results)
+            if mode == "placed@host100" and offload_points and "placed@offload100" not in results:
                 kinds.append("placed@offload")  # the host tier: the end of both of our series
             for kind in kinds:
                 series.setdefault(f"{PLOT_LABELS[kind]}, {regime}", []).append((x, r["step_seconds"]))
