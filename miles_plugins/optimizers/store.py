@@ -12,8 +12,9 @@ part way is rolled back.
 
 The parts, each in its own module: where bytes live and how they move
 (``io.py``), the walk (``pipeline.py``), the storage formats (``codec.py``),
-checkpoints (``persistence.py``), files and directories (``fs.py``,
-``scratch.py``). This module builds them and runs the step.
+checkpoints (``persistence.py``), what a failed step can undo
+(``rollback.py``), files and directories (``fs.py``, ``scratch.py``). This
+module builds them and runs the step.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from miles_plugins.optimizers.placement import (
     move_from_device_home,
     move_to_device_home,
 )
+from miles_plugins.optimizers.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
-                drain_before=self._first_written_in_place(),
+                drain_before=first_written_in_place(self.buckets, self.placed.homes),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -270,7 +272,7 @@ class StreamingStore:
         updated a bucket at home in host or device memory, which is written in
         place, or a bucket of fp32 params, updated in place: those come last in
         the walk; remainder mains need the params the step overwrote; transfers
-        hung) the store refuses to step again.
+        hung) the store refuses to step again (``rollback.py``).
         """
         self._check_open()
         while self._step_checks:
@@ -278,24 +280,27 @@ class StreamingStore:
             self._step_checks.pop(0)
         start = time.perf_counter()
         stats = StepStats()
-        blocker = self._rollback_blocker
-        updated: list[tuple[Flight, object]] = []  # buckets whose params this step changed, their prior state
+        rollback = StepRollback(
+            self.steps_taken + 1,
+            self._pipeline,
+            self.placed.homes,
+            self._copy_to_model,
+            remainder_mains=self.config.main_storage == "remainder",
+        )
 
         def update(flight: Flight) -> None:
-            # The pre-update state a roll-back restores (not taken where none is possible).
-            updated.append((flight, flight.optimizer.snapshot() if blocker is None else None))
+            rollback.record(flight)
             self._update(flight)
 
-        resident_started = False
         try:
             self._pipeline.walk(update, stats)
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
-                resident_started = True
+                rollback.resident_started()
                 self._resident_optimizer.step()
         except BaseException as exc:
-            self._roll_back(updated, exc, resident_started)
+            self._damaged = rollback.undo(exc)
             raise
         self._backing.commit()
         stats.seconds = time.perf_counter() - start
@@ -341,7 +346,7 @@ class StreamingStore:
     def _move(self, move, nbytes: int, home: str):
         self._settle()  # nothing prefetched may read a bucket whose place changes
         done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer(), home)
-        self._pipeline.drain_before = self._first_written_in_place()
+        self._pipeline.drain_before = first_written_in_place(self.buckets, self.placed.homes)
         return done
 
     def _update(self, flight: Flight) -> None:
@@ -358,71 +363,6 @@ class StreamingStore:
             if flight.bucket.streams_main:
                 entry.main.grad = None  # the fp32 grad is not state; drop it now (an fp32 param's is the model's)
             self._copy_to_model(entry)
-
-    @property
-    def _rollback_blocker(self) -> str | None:
-        """Why no failed step can be rolled back, or None when one that updated only
-        buckets not :meth:`_written_in_place` can (see :meth:`_roll_back`)."""
-        if self.config.main_storage == "remainder":
-            return "remainder mains need the params the step overwrote"
-        return None
-
-    def _first_written_in_place(self) -> int | None:
-        """The first bucket whose update cannot be undone: the walk drains disk writes before it."""
-        return next((b.index for b in self.buckets if self._written_in_place(b)), None)
-
-    def _written_in_place(self, bucket: BucketLayout) -> str | None:
-        """Why an update of ``bucket`` cannot be undone, or None (its mains stream to disk,
-        where a step writes the spare slot). Such buckets come last in the walk."""
-        if not bucket.streams_main:
-            return "the fp32-native params are updated in place"
-        if self.placed.homes[bucket.index] != "disk":
-            return "buckets at home in host or device memory are written in place"
-        return None
-
-    def _roll_back(self, updated: list[tuple[Flight, object]], exc: BaseException, resident_started: bool) -> None:
-        """After a failed step: restore the pre-step state, or mark the store damaged."""
-        failed = f"step {self.steps_taken + 1} failed ({str(exc) or type(exc).__name__})"
-        if self._pipeline.hung:
-            self._damaged = f"{failed}; transfers still hang, their memory cannot be reused"
-            return
-        if resident_started:
-            self._damaged = f"{failed} while updating the fp32-native params, which are updated in place"
-            return
-        if not updated:
-            return  # no bucket was updated: nothing changed
-        blocker = self._rollback_blocker or next(
-            (
-                f"{why} (bucket {f.bucket.index} was updated)"
-                for f, _ in updated
-                if (why := self._written_in_place(f.bucket))
-            ),
-            None,
-        )
-        if blocker is not None:
-            self._damaged = f"{failed} after updating {len(updated)} buckets, and {blocker}"
-            return
-        try:
-            for flight, prior in updated:
-                flight.optimizer.restore(prior)
-            self._restore_params([flight.bucket for flight, _ in updated])
-        except BaseException as again:
-            self._damaged = f"{failed}, and rolling back its {len(updated)} updated buckets failed too ({again})"
-            return
-        logger.warning(
-            "%s; the optimizer state and the params of the %d buckets it had updated are back at step %d: "
-            "only this step is lost",
-            failed,
-            len(updated),
-            self.steps_taken,
-        )
-
-    def _restore_params(self, buckets: Sequence[BucketLayout]) -> None:
-        """Rewrite the model params of ``buckets`` from their committed fp32 mains."""
-        for bucket in buckets:
-            with self._pipeline.read_one(bucket.index, moments=False) as flight:
-                for entry in flight.entries:
-                    self._copy_to_model(entry)
 
     def prefetch(self) -> None:
         """Start reading the first buckets of the next step now (pipelined engine;
