@@ -215,6 +215,23 @@ def missing_dirs(path: str) -> list[str]:
     return missing
 
 
+def _bad_directories(parents: list[str]) -> str | None:
+    """Why ``--dir``'s directories cannot hold scratch directories, or None."""
+    if not all(parents):
+        return "an empty directory name (give one path, or several separated by commas)"
+    if len({os.path.realpath(p) for p in parents}) != len(parents):
+        return "names the same directory twice"
+    return next((f"{p} is not a directory" for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
+
+
+def _remove(scratches: list[str], created: list[str]) -> None:
+    for scratch in scratches:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for directory in created:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # only if empty: never what was there before
+
+
 def _budget(text: str) -> int | str:
     if text == AUTO:
         return AUTO
@@ -251,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         "margin); the rest go to the tier (default 0)",
     )
     parser.add_argument("--engine", default="pipelined", choices=list(ENGINES), help="how buckets move")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch directory is created")
+    parser.add_argument(
+        "--dir",
+        default=tempfile.gettempdir(),
+        help="where the scratch directory is created; several, comma-separated: one in each, buckets spread over them",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("-v", "--verbose", action="store_true", help="log every streamed step")
     args = parser.parse_args(argv)
@@ -268,16 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device(args.device)
 
-    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
-        print(f"error: --dir {args.dir} is not a directory", file=sys.stderr)
+    parents = [part.strip() for part in args.dir.split(",")]  # several: buckets spread over them
+    problem = _bad_directories(parents)
+    if problem:
+        print(f"error: --dir {args.dir}: {problem}", file=sys.stderr)
         return 2
-    created = missing_dirs(args.dir)  # removed again at the end (when empty)
+    # Removed again at the end (when empty), deepest first.
+    created = sorted({d for parent in parents for d in missing_dirs(parent)}, key=len, reverse=True)
+    scratches: list[str] = []  # one per directory
     try:
-        os.makedirs(args.dir, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix="miles-demo-", dir=args.dir)
+        for parent in parents:
+            os.makedirs(parent, exist_ok=True)
+            scratches.append(tempfile.mkdtemp(prefix="miles-demo-", dir=parent))
     except OSError as exc:
-        print(f"error: cannot create a scratch directory under {args.dir}: {exc.strerror}", file=sys.stderr)
+        print(f"error: cannot create a scratch directory under {parent}: {exc.strerror}", file=sys.stderr)
+        _remove(scratches, created)
         return 2
+    scratch = ",".join(scratches)
     try:
         config = StreamConfig(
             directory=scratch,
@@ -308,10 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the scratch directory is removed", file=sys.stderr)
         return 130
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        for directory in created:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)  # only if empty: never what was there before
+        _remove(scratches, created)
 
     identical = compare(resident, streamed)
     report = {

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -111,3 +112,32 @@ def test_demo_refuses_a_bad_bucket_cap_cleanly(tmp_path):
     assert "error: bucket cap must be > 0" in result.stderr
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_demo_spreads_buckets_over_several_directories_and_removes_what_it_made(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "made" / "b"
+    result = _demo("--steps", "2", "-v", "--dir", f"{a},{b}")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["bit_identical"] is True
+    # One scratch directory in each, each holding buckets (the setup line counts them per directory).
+    spread = re.search(
+        rf"streams through {a}/miles-demo-\S+ \((\d+) buckets\), {b}/miles-demo-\S+ \((\d+) buckets\)", result.stderr
+    )
+    assert spread and min(int(n) for n in spread.groups()) >= 1, result.stderr
+    assert os.listdir(tmp_path) == [], "the directories the demo created must be gone"
+
+
+@pytest.mark.parametrize(
+    "dirs, message",
+    [
+        ("{t}/a,{t}/a/", "names the same directory twice"),
+        ("{t}/a,", "an empty directory name"),
+        ("{t}/a,{t}/file", "{t}/file is not a directory"),
+    ],
+)
+def test_demo_refuses_bad_directory_lists_before_creating_anything(tmp_path, dirs, message):
+    (tmp_path / "file").write_text("")
+    result = _demo("--steps", "2", "--dir", dirs.format(t=tmp_path))
+    assert result.returncode == 2 and message.format(t=tmp_path) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["file"]
