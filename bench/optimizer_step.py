@@ -805,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plot:
+        if not os.path.isfile(args.plot):
+            parser.error(f"--plot {args.plot}: no such results file")
         print(f"wrote {plot(args.plot)}")
         return 0
     try:
@@ -835,7 +837,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: at least 1")
     if wanted - set(MODES):
         parser.error(f"unknown mode(s) {sorted(wanted - set(MODES))}; choose from {list(MODES)}")
-    os.makedirs(args.dir, exist_ok=True)
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir} is not a directory")
+    try:
+        os.makedirs(args.dir, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--dir {args.dir}: {exc.strerror or exc}")
     state_bytes = 12 * args.params
     print(f"{args.params / 1e9:.3g}B params, {state_bytes / 1e9:.3g} GB of fp32 state, on {args.device}", flush=True)
     print(f"measuring the disk under {args.dir} with direct I/O...", flush=True)

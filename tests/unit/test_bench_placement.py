@@ -4,6 +4,7 @@ business: nothing here is timed.)"""
 
 import json
 
+import pytest
 import torch
 
 from bench import megatron_dev, optimizer_step
@@ -79,3 +80,15 @@ def test_auto_modes_measure_their_budgets_and_record_where_buckets_were(tmp_path
         # One record before the warm-up step and one before each timed step; on the CPU
         # nothing moves to the device home.
         assert len(r["placement_before_each_step"]) == 4 and r["placement_after"]["gpu"] == 0
+
+
+def test_bad_paths_are_refused_with_a_reason(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for argv, reason in (
+        (["--dir", str(a_file)], f"--dir {a_file} is not a directory"),
+        (["--plot", str(tmp_path / "none.json")], "no such results file"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            optimizer_step.main(["--params", "1000", *argv])
+        assert exit_.value.code == 2 and reason in capsys.readouterr().err
