@@ -238,7 +238,7 @@ def _budget(text: str) -> int | str:
     try:
         return parse_size(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{exc}, or {AUTO}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

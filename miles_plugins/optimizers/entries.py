@@ -41,7 +41,9 @@ class Entry:
 
 @dataclass
 class StepStats:
-    """What one step (or all steps, summed) moved and how long it took."""
+    """What one step (or all steps, summed) moved and how long it took. The bytes are
+    the stored state the step read and wrote, whatever each bucket's home: a drive's
+    traffic is the disk buckets' share (``StreamingStore.home_bytes``)."""
 
     buckets: int = 0
     bytes_read: int = 0
