@@ -219,8 +219,11 @@ def _bad_directories(parents: list[str]) -> str | None:
     """Why ``--dir``'s directories cannot hold scratch directories, or None."""
     if not all(parents):
         return "an empty directory name (give one path, or several separated by commas)"
-    if len({os.path.realpath(p) for p in parents}) != len(parents):
-        return "names the same directory twice"
+    seen: dict[str, str] = {}
+    for p in parents:
+        if (real := os.path.realpath(p)) in seen:
+            return f"names the same directory twice ({seen[real]} and {p})"
+        seen[real] = p
     return next((f"{p} is not a directory" for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
 
 
@@ -305,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot create a scratch directory under {parent}: {exc.strerror}", file=sys.stderr)
         _remove(scratches, created)
         return 2
+    except BaseException:  # an interrupt (a hung mount): nothing made so far stays behind
+        _remove(scratches, created)
+        raise
     scratch = ",".join(scratches)
     try:
         config = StreamConfig(
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; the scratch directory is removed", file=sys.stderr)
+        print("interrupted; the scratch directories are removed", file=sys.stderr)
         return 130
     finally:
         _remove(scratches, created)

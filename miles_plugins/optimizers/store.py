@@ -300,6 +300,8 @@ class StreamingStore:
                 rollback.resident_started()
                 self._resident_optimizer.step()
         except BaseException as exc:
+            # Damaged until undone: an interrupt inside the undo must not leave a half-stepped store usable.
+            self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
             self._damaged = rollback.undo(exc)
             raise
         self._backing.commit()

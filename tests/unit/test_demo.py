@@ -141,3 +141,23 @@ def test_demo_refuses_bad_directory_lists_before_creating_anything(tmp_path, dir
     assert result.returncode == 2 and message.format(t=tmp_path) in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == ["file"]
+
+
+def test_an_interrupt_while_the_demo_makes_its_directories_leaves_none_behind(tmp_path, monkeypatch):
+    """Ctrl-C on a slow mount, between the first directory's scratch and the second's
+    (the interrupt is raised by the second mkdtemp, standing in for the signal)."""
+    from miles_plugins import demo
+
+    made = []
+    real_mkdtemp = demo.tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        if made:
+            raise KeyboardInterrupt
+        made.append(real_mkdtemp(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(KeyboardInterrupt):
+        demo.main(["--steps", "1", "--dir", f"{tmp_path}/p/a,{tmp_path}/p/b"])
+    assert made and os.listdir(tmp_path) == [], "the scratch and the parents made for it must be gone"

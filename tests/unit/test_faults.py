@@ -24,6 +24,7 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.rollback import StepRollback
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
 from tests.unit.test_bad_input import REPO
@@ -105,6 +106,24 @@ def test_an_io_error_mid_step_loses_only_that_step(tmp_path, caplog, fault_repor
         "a resume from the last checkpoint are byte-identical to an uninterrupted run",
         NONE_LOST,
     )
+
+
+def test_an_interrupt_during_the_roll_back_leaves_the_store_refusing_to_step(tmp_path, monkeypatch):
+    """A second Ctrl-C while a failed step is being undone: the buckets it updated may be
+    half restored, so the store must refuse, and the last checkpoint still resumes. (The
+    interrupt is raised where the undo starts, standing in for a signal's arrival there.)"""
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+
+    def interrupted(self, exc):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StepRollback, "undo", interrupted)
+    with FaultPlan(tmp_path / "scratch", "write", nth=12, fault="eio"), pytest.raises(KeyboardInterrupt):
+        optimizer.step()
+    with pytest.raises(StoreUnusableError, match=f"step {FAILED_STEP + 1} failed and its roll-back was interrupted"):
+        optimizer.step()
+    streamed.close()
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
