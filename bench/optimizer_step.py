@@ -837,6 +837,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: at least 1")
     if wanted - set(MODES):
         parser.error(f"unknown mode(s) {sorted(wanted - set(MODES))}; choose from {list(MODES)}")
+    if "," in args.dir:
+        parser.error(f"--dir {args.dir}: one directory (the bound is one drive's, measured there)")
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir} is not a directory")
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -297,6 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: --dir {args.dir}: {problem}", file=sys.stderr)
         return 2
+    try:  # checked before anything is created; the scratch directories replace the parents below
+        config = StreamConfig(
+            directory=",".join(parents),
+            moment_dtype=args.moment_dtype,
+            bucket_cap_elements=args.bucket_cap,
+            main_storage=args.main_storage,
+            tier=args.tier,
+            engine=args.engine,
+            gpu_budget_bytes=args.gpu_budget,
+            host_budget_bytes=args.host_budget,
+        )
+    except StreamConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Removed again at the end (when empty), deepest first.
     created = sorted({d for parent in parents for d in missing_dirs(parent)}, key=len, reverse=True)
     scratches: list[str] = []  # one per directory
@@ -313,16 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     scratch = ",".join(scratches)
     try:
-        config = StreamConfig(
-            directory=scratch,
-            moment_dtype=args.moment_dtype,
-            bucket_cap_elements=args.bucket_cap,
-            main_storage=args.main_storage,
-            tier=args.tier,
-            engine=args.engine,
-            gpu_budget_bytes=args.gpu_budget,
-            host_budget_bytes=args.host_budget,
-        )
+        config = dataclasses.replace(config, directory=scratch)
         data = batches(args.steps, device)
         print(
             f"training a {sum(p.numel() for p in build_model(device).parameters()):,}-param bf16 model on {device} for {args.steps} steps"

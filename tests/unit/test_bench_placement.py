@@ -87,6 +87,7 @@ def test_bad_paths_are_refused_with_a_reason(tmp_path, capsys):
     a_file.write_text("")
     for argv, reason in (
         (["--dir", str(a_file)], f"--dir {a_file} is not a directory"),
+        (["--dir", f"{tmp_path}/a,{tmp_path}/b"], "one directory (the bound is one drive's"),
         (["--plot", str(tmp_path / "none.json")], "no such results file"),
     ):
         with pytest.raises(SystemExit) as exit_:

@@ -133,7 +133,9 @@ def test_demo_spreads_buckets_over_several_directories_and_removes_what_it_made(
         ("{t}/a,{t}/a/", "names the same directory twice"),
         ("{t}/a,", "an empty directory name"),
         ("{t}/a,{t}/file", "{t}/file is not a directory"),
+        (",".join(f"{{t}}/d{i}" for i in range(40)), "staging budget 128 MiB is too small"),  # a config refusal
     ],
+    ids=["twice", "empty-part", "a-file", "more-than-the-staging-funds"],
 )
 def test_demo_refuses_bad_directory_lists_before_creating_anything(tmp_path, dirs, message):
     (tmp_path / "file").write_text("")
