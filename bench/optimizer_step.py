@@ -76,7 +76,7 @@ The disk bound is measured first, in the same directory, with direct I/O
 (``bench/disk.py``). Per mode: step seconds (median of K steps after one
 warm-up step that creates the moments), bytes moved, GB/s, ratio to the disk
 bound, optimizer-state residency on the device, device peak during the step,
-host RSS growth, page-cache growth. The JSON goes to ``--out`` (regimes from
+host RSS growth, page-cache growth, buckets per home (gpu+host+disk) at the end. The JSON goes to ``--out`` (regimes from
 earlier runs with the same size are kept, so two calls can fill it) and a table
 is printed.
 """
@@ -664,6 +664,7 @@ def _table(regimes: dict) -> str:
         ("peak GB", 8, "device_peak_bytes"),
         ("RSS+ MB", 8, "host_rss_step_growth_bytes"),
         ("cache+ MB", 9, "page_cache_growth_bytes"),
+        ("gpu+host+disk", 13, "placement_after"),  # buckets per home at the end (auto moves them)
     ]
     scale = {"bytes_read": 1e9, "bytes_written": 1e9, "state_residency_bytes": 1e9, "device_peak_bytes": 1e9}
     scale |= {"host_rss_step_growth_bytes": 1e6, "page_cache_growth_bytes": 1e6}
@@ -676,7 +677,12 @@ def _table(regimes: dict) -> str:
             else:
                 for _, width, key in cols[2:]:
                     value = r.get(key)
-                    text = "-" if value is None else f"{value / scale.get(key, 1):.3g}"
+                    if value is None:
+                        text = "-"
+                    elif isinstance(value, dict):
+                        text = "+".join(str(value[home]) for home in ("gpu", "host", "disk"))
+                    else:
+                        text = f"{value / scale.get(key, 1):.3g}"
                     cells.append(text.rjust(width))
             lines.append(" ".join(cells))
     return "\n".join(lines)

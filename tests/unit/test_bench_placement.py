@@ -20,6 +20,8 @@ def test_placement_points_place_their_fraction_and_report_it(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     landed = [b for a, b in zip(lines, lines[1:], strict=False) if a.startswith("[roomy] placed@host50 ")]
     assert landed and landed[0].strip().startswith("steps "), lines
+    # The table's last column: buckets per home (gpu+host+disk) as the run left them.
+    assert any(" placed@host0 " in line and line.endswith(" 0+0+16") for line in lines), lines
     results = json.loads(out.read_text())["regimes"]["roomy"]
     assert results["placed@host0"]["placement"] == {"gpu": 0, "host": 0, "disk": 16}
     assert results["placed@host100"]["placement"]["host"] == results["placed@host100"]["buckets"]
