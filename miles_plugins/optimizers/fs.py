@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import logging
 import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 
 from miles_plugins.optimizers.errors import StreamIOError
@@ -41,6 +43,58 @@ def open_file(path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags | _SAFE_OPEN, mode)
     except OSError as exc:
         raise StreamIOError(f"cannot open {path}: {exc.strerror}", path, 0, exc.errno) from exc
+
+
+def lock_file(path: str, wait_s: float) -> int | None:
+    """An fd holding an exclusive ``flock`` on the file ``path`` (created if missing),
+    trying for up to ``wait_s`` seconds; None while another process holds it. A
+    file its holder removed between our open and our lock is not ours: the new one
+    is taken instead."""
+    for _ in range(_LOCK_ATTEMPTS):
+        fd = open_file(path, os.O_RDWR | os.O_CREAT)
+        if not _flock_within(fd, wait_s):
+            os.close(fd)
+            return None
+        if is_current_file(fd, path):
+            return fd
+        os.close(fd)
+    raise StreamIOError(f"cannot take the lock {path}: it keeps being replaced", path, 0, errno.EAGAIN)
+
+
+def unlock_file(path: str, fd: int) -> None:
+    """Drop a lock :func:`lock_file` took, and its file: unlinked while still held,
+    so no other process can take a lock on the file being dropped."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+def is_current_file(fd: int, path: str) -> bool:
+    """Whether the open file ``fd`` is still the one at ``path``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+# A lock file's holder unlinks it before closing it: whoever opened it just before
+# can then lock a file no longer in place. Checked after every lock; this many tries.
+_LOCK_ATTEMPTS = 5
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive flock on ``fd``, trying for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

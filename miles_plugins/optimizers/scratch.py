@@ -32,19 +32,21 @@ import signal
 import stat
 import sys
 import threading
-import time
 
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.fs import (
     check_plain_dir,
     filesystem_type,
     format_bytes,
+    is_current_file,
+    lock_file,
     make_dirs,
     make_private_dir,
     nearest_existing,
     open_file,
     remove_private_dir,
     require_free_space,
+    unlock_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,30 +111,20 @@ class ScratchDir:
         require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
 
     def _lock(self) -> None:
-        for _ in range(_LOCK_ATTEMPTS):
-            fd = open_file(self._lock_path, os.O_RDWR | os.O_CREAT)
-            if not _flock_within(fd, _LOCK_WAIT_S):
-                os.close(fd)
-                raise StreamConfigError(
-                    f"{self.path} is in use by another process, or by another store of this one (lock "
-                    f"{self._lock_path} held for {_LOCK_WAIT_S:g} s); give each its own scratch name or directory"
-                )
-            if _is_current(fd, self._lock_path):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, LOCK_MARKER, 0)
-                self._lock_fd = fd
-                return
-            os.close(fd)  # its holder removed it between our open and our lock: take the new one
-        raise StreamConfigError(f"cannot take the lock {self._lock_path}: it keeps being replaced")
+        fd = lock_file(self._lock_path, _LOCK_WAIT_S)
+        if fd is None:
+            raise StreamConfigError(
+                f"{self.path} is in use by another process, or by another store of this one (lock "
+                f"{self._lock_path} held for {_LOCK_WAIT_S:g} s); give each its own scratch name or directory"
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, LOCK_MARKER, 0)
+        self._lock_fd = fd
 
     def _unlock(self) -> None:
         if self._lock_fd is None:
             return
-        # Unlink while still holding the lock, so no other process can take a lock
-        # on the file we are about to drop.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._lock_path)
-        os.close(self._lock_fd)
+        unlock_file(self._lock_path, self._lock_fd)
         self._lock_fd = None
 
     def _purge(self) -> None:
@@ -161,36 +153,10 @@ def _lock_path(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.lock")
 
 
-# A lock file's holder unlinks it before closing it: whoever opened it just before
-# can then lock a file no longer in place. Checked after every lock; this many tries.
-_LOCK_ATTEMPTS = 5
 # How long a starting process waits for a lock held by someone else: long enough
 # for a purge (a job epilog) to finish with a stale scratch of the same name, short
 # enough that two processes given the same name are told so at once.
 _LOCK_WAIT_S = 5.0
-
-
-def _flock_within(fd: int, seconds: float) -> bool:
-    """Take an exclusive flock on ``fd``, trying for up to ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
-
-
-def _is_current(fd: int, path: str) -> bool:
-    """Whether the open file ``fd`` is still the one at ``path``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 # ---- SIGTERM -----------------------------------------------------------------------
@@ -301,7 +267,7 @@ def purge(directory: str, prefix: str = "") -> tuple[list[str], list[str]]:
             except BlockingIOError:
                 skipped.append(f"{path}: in use (a running process holds {lock})")
                 continue
-            if not _is_current(fd, lock):
+            if not is_current_file(fd, lock):
                 skipped.append(f"{path}: its lock file was replaced while purging (a run started); left alone")
                 continue
             what = _remove_stale(path)
