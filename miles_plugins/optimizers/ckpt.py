@@ -6,7 +6,7 @@
 ``reshard`` rewrites the state for ``N`` data-parallel ranks
 (``reshard_offline.py``), verifying every block it reads; exit status 1 on any
 problem with the checkpoint or the output (nothing is left in ``--out`` then),
-2 on bad usage.
+2 on bad usage, 130 on Ctrl-C and 143 on SIGTERM (the partial output removed).
 
 ``DIR`` is a checkpoint's iteration directory (its ``streamed_optimizer_state/``
 is read), that directory itself, or one saved store. For every saved store it
@@ -15,7 +15,9 @@ checks what a load would: the manifest's own checksum, that it is the store
 its directory is named after, its file table against its layout, and each
 file's presence, size and checksums (every byte is read); a store whose replace
 was cut off is read from ``.<name>.previous`` as a load does; a rank of the
-recorded world size without a store is a problem too. Exit status: 0 when
+recorded world size without a store of every optimizer of the chain, and stores
+of different world sizes or (Megatron's) step counts, a directory that mixes
+saves, are problems too. Exit status: 0 when
 everything verifies, 1 on any problem (each one listed), 2 on bad usage.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import time
 
@@ -33,7 +36,7 @@ from miles_plugins.optimizers.fs import saved_dirs
 from miles_plugins.optimizers.io import file_crcs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 
-_STORE_NAME = re.compile(r"rank(\d+)\.opt\d+")
+_STORE_NAME = re.compile(r"rank(\d+)\.(opt\d+)")
 
 
 class NotAStateDir(Exception):
@@ -57,12 +60,14 @@ def stores_under(directory: str) -> list[tuple[str, str]]:
     return sorted(saved_dirs(directory).items())  # as persistence reads them
 
 
-def missing_ranks(names: list[str], world_size: object) -> list[int]:
-    """Ranks of ``world_size`` (from a manifest's topology) no store is named after."""
+def missing_stores(names: list[str], world_size: object) -> list[str]:
+    """The stores a load at ``world_size`` ranks (from a manifest's topology) would
+    look for and not find: every rank's store of every optimizer of the chain."""
     if type(world_size) is not int or world_size <= 0:
         return []
-    present = {int(m.group(1)) for name in names if (m := _STORE_NAME.fullmatch(name))}
-    return [rank for rank in range(world_size) if rank not in present] if present else []
+    present = {(int(m.group(1)), m.group(2)) for name in names if (m := _STORE_NAME.fullmatch(name))}
+    optimizers = sorted({opt for _, opt in present}, key=lambda o: int(o[3:]))
+    return [f"rank{r}.{o}" for o in optimizers for r in range(world_size) if (r, o) not in present]
 
 
 def describe(manifest: Manifest) -> str:
@@ -135,7 +140,7 @@ def inspect(directory: str) -> int:
     if not stores:
         print(f"no saved streamed optimizer state under {directory}", file=sys.stderr)
         return 1
-    failed, world_sizes = 0, set()
+    failed, world_sizes, steps = 0, set(), set()
     for name, path in stores:
         start = time.perf_counter()
         print(f"{path}:", flush=True)
@@ -146,6 +151,7 @@ def inspect(directory: str) -> int:
             if manifest is not None:
                 print("  " + describe(manifest), flush=True)
                 world_sizes.add((manifest.data.get("topology") or {}).get("world_size"))
+                steps.add(manifest.data.get("steps_taken"))
         except (CheckpointMismatchError, StreamIOError, OSError, TypeError, AttributeError) as exc:
             problems = [str(exc).splitlines()[0] if isinstance(exc, (TypeError, AttributeError)) else str(exc)]
         for problem in problems:
@@ -154,11 +160,21 @@ def inspect(directory: str) -> int:
             failed += 1
         else:
             print(f"  OK: every file's size and CRC-32 match ({time.perf_counter() - start:.1f} s)", flush=True)
-    absent = missing_ranks([name for name, _ in stores], next(iter(world_sizes)) if len(world_sizes) == 1 else None)
+    # A Megatron save (its stores record the world) is one run's at one iteration: a load
+    # checks every store against the same world and step. (Plain-PyTorch stores may step apart.)
+    mixed = []
+    if len(world_sizes) > 1:
+        mixed.append(f"the stores record different world sizes {sorted(world_sizes, key=str)}")
+    if None not in world_sizes and len(steps) > 1:
+        mixed.append(f"the stores record different step counts {sorted(steps, key=str)}")
+    for problem in mixed:
+        print(f"PROBLEM: {problem}: the directory mixes saves", flush=True)
+    absent = missing_stores([name for name, _ in stores], next(iter(world_sizes)) if len(world_sizes) == 1 else None)
     if absent:
-        print(f"PROBLEM: the run had {next(iter(world_sizes))} ranks; no store for rank(s) {absent}", flush=True)
+        shown = ", ".join(absent[:8]) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
+        print(f"PROBLEM: the run had {next(iter(world_sizes))} ranks; no store {shown}", flush=True)
     print(f"{len(stores) - failed} of {len(stores)} saved stores verify", flush=True)
-    return 1 if failed or absent else 0
+    return 1 if failed or absent or mixed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,12 +207,26 @@ def main(argv: list[str] | None = None) -> int:
 def reshard_command(directory: str, dp: int, out: str) -> int:
     from miles_plugins.optimizers.reshard_offline import reshard
 
+    if not out.strip():
+        print("cannot reshard: --out is empty: give the new checkpoint's iteration directory", file=sys.stderr)
+        return 2
     out_dir = out if os.path.basename(os.path.normpath(out)) == STATE_DIRNAME else os.path.join(out, STATE_DIRNAME)
     start = time.perf_counter()
+    # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C, so the partial output is removed.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         stores = stores_under(directory)
         if not stores:
             raise NotAStateDir(f"no saved streamed optimizer state under {directory}")
+        for _, path in stores:  # what a load would read, and nothing else
+            if os.path.islink(path) or not os.path.isdir(path):
+                raise NotAStateDir(f"{path} is not a plain directory (a load refuses it)")
+        strays = [name for name, _ in stores if not _STORE_NAME.fullmatch(name)]
+        if strays and len(strays) < len(stores):
+            raise NotAStateDir(
+                f"{', '.join(strays)}: not named as a Megatron chain's stores are (rank<N>.opt<M>); a copy? "
+                "move it out of the state directory"
+            )
         source = os.path.realpath(os.path.dirname(stores[0][1]))
         target = os.path.realpath(out_dir)
         if os.path.commonpath([source, target]) == source:
@@ -205,8 +235,23 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
     except (NotAStateDir, CheckpointMismatchError, StreamIOError, OSError) as exc:
         print(f"cannot reshard {directory}: {exc}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, _Terminated) as exc:
+        what = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted"
+        done = f"{out_dir} is complete and in place" if os.path.lexists(out_dir) else f"nothing was written to {out}"
+        print(f"reshard {what}: {done}", file=sys.stderr)
+        return 143 if isinstance(exc, _Terminated) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {dp} rank(s) of streamed optimizer state to {out_dir} in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the reshard is, so its cleanup runs."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ or EP); elsewhere resume at the new size directly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 from dataclasses import dataclass
@@ -32,15 +33,18 @@ import torch
 
 from miles_plugins.optimizers import remainder
 from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYPES
-from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.fs import (
     create_file,
     fsync,
     fsync_dir,
+    lock_file,
     make_dirs,
     make_private_dir,
     open_file,
     remove_private_dir,
+    require_free_space,
+    unlock_file,
 )
 from miles_plugins.optimizers.io import file_crcs, pwrite_full
 from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_store
@@ -120,8 +124,10 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
     """Write the saved ``stores`` ((name, directory) pairs: one checkpoint's) as
     ``dp`` ranks' stores in ``out_dir``, which must not exist: everything goes to
     ``<out_dir>.partial`` first and is renamed into place at the end, so a failure
-    leaves no half-written state. Raises :class:`CheckpointMismatchError` naming
-    what keeps the checkpoint from it."""
+    leaves no half-written state. ``<out_dir>.lock`` is held meanwhile: a second
+    reshard into the same place is refused (a partial left by one that died is
+    removed). Raises :class:`CheckpointMismatchError` naming what keeps the
+    checkpoint from it, :class:`StreamIOError` for the output."""
     if os.path.lexists(out_dir):
         raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
     by_optimizer: dict[str, list[Peer]] = {}
@@ -139,38 +145,69 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
             "(correct, but this rewrite does not spare it that)"
         )
     partial = f"{out_dir}.partial"
+    # Every new store's layout first (no I/O): what the output needs on its drive.
+    targets = [
+        (peers, _target(os.path.join(partial, f"rank{rank}.{position}"), f"rank{rank}.{position}", peers, dp, rank))
+        for position, peers in sorted(by_optimizer.items())
+        for rank in range(dp)
+    ]
+    needed = sum(b.file_size for _, t in targets for b in t.buckets)
+    needed += sum(3 * 4 * m.numel() for _, t in targets for m in t.resident_mains)  # at most main + moments
     parent = os.path.dirname(os.path.abspath(out_dir))
     created, path = [], parent  # the parents made here (deepest first), removed again on a failure
     while not os.path.lexists(path):
         created.append(path)
         path = os.path.dirname(path)
+    lock, renamed = None, False
     try:
-        remove_private_dir(partial)  # left by a run that was cut off
         make_dirs(parent)
+        lock = lock_file(f"{out_dir}.lock", 0)
+        if lock is None:
+            raise StreamIOError(
+                f"another reshard is writing {out_dir} (it holds {out_dir}.lock): let it finish, or give another --out",
+                out_dir,
+                0,
+                errno.EBUSY,
+            )
+        if os.path.lexists(out_dir):  # written by a run that held the lock before us
+            raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
+        remove_private_dir(partial)  # left by a run that was cut off (its lock is gone with it)
+        require_free_space(parent, needed, "the resharded state")
         make_private_dir(partial)
-        for position, peers in sorted(by_optimizer.items()):
-            for rank in range(dp):
-                name = f"rank{rank}.{position}"
-                target = _target(os.path.join(partial, name), name, peers, dp, rank)
-                make_private_dir(target.directory)
-                load = ReshardedLoad(target, peers)
-                load.write_buckets(target.buckets, write=True)
-                _finish(target, load, peers)
-                elements = sum(b.numel for b in target.buckets)
-                log(f"{name}: {len(target.buckets)} bucket(s), {elements:,} streamed elements, step {load.steps}")
+        for peers, target in targets:
+            make_private_dir(target.directory)
+            load = ReshardedLoad(target, peers)
+            load.write_buckets(target.buckets, write=True)
+            _finish(target, load, peers)
+            elements = sum(b.numel for b in target.buckets)
+            name = target.description["store"]
+            log(f"{name}: {len(target.buckets)} bucket(s), {elements:,} streamed elements, step {load.steps}")
         fsync_dir(partial)
         os.rename(partial, out_dir)
+        renamed = True
         fsync_dir(parent)  # the rename
         for directory in created:  # each directory made here, in its own parent
             fsync_dir(os.path.dirname(directory))
-    except BaseException:
+    except BaseException as exc:
+        if renamed:  # complete and in place; only making that durable failed
+            raise StreamIOError(
+                f"{out_dir} is complete and in place, but syncing its directory entries failed ({exc}): "
+                "it may not survive a power loss until the filesystem is synced",
+                out_dir,
+            ) from exc
         # The failure that got here is the one to report: cleaning up stays quiet.
-        with contextlib.suppress(OSError):
-            remove_private_dir(partial)
+        if lock is not None:  # the partial output is ours only while we hold the lock
+            with contextlib.suppress(OSError):
+                remove_private_dir(partial)
+            unlock_file(f"{out_dir}.lock", lock)
+            lock = None
         for directory in created:
             with contextlib.suppress(OSError):
                 os.rmdir(directory)
         raise
+    finally:
+        if lock is not None:
+            unlock_file(f"{out_dir}.lock", lock)
 
 
 def _default_ddp_bucket_size(dp: int | None) -> int | None:
@@ -204,6 +241,14 @@ def _check(position: str, peers: list[Peer]) -> None:
             f"it was saved with {sizes}: new stores are named by global rank, known here only for data "
             "parallelism alone; resume at the new size directly (the load reshards)"
         )
+    saved_dp = (first.get("topology") or {}).get("dp_size")
+    if not problems and type(saved_dp) is int:
+        present = {(p.data.get("topology") or {}).get("dp_rank") for p in peers}
+        if absent := [rank for rank in range(saved_dp) if rank not in present]:
+            problems.append(
+                f"it was saved by {saved_dp} ranks, and the store of rank(s) {absent} is missing "
+                f"({', '.join(f'rank{r}.{position}' for r in absent[:4])}{', ...' if len(absent) > 4 else ''})"
+            )
     if problems:
         raise CheckpointMismatchError(f"cannot reshard the {position} stores offline: " + "; ".join(problems))
 
@@ -219,7 +264,13 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
                 fp32.update(n for n, _, _ in pieces)
         groups.update({n: g for n, _, g in peer.data["resident_pieces"]})
         fp32.update(n for n, _, _ in peer.data["resident_pieces"])
-    owned = [_Entry(p, groups[p.key], key) for key, p in megatron_pieces(first["param_layout"], dp, rank)]
+    owned = megatron_pieces(first["param_layout"], dp, rank)
+    if lost := sorted({p.key for _, p in owned if p.key not in groups}):
+        raise CheckpointMismatchError(
+            f"cannot reshard into {name}: param(s) {lost[:4]} of the saved DDP layout are in no saved store "
+            "(a store of the checkpoint is missing)"
+        )
+    owned = [_Entry(p, groups[p.key], key) for key, p in owned]
     # The master's groups in order, each in bucket order; bf16 params before fp32 ones (the binding's
     # order); the fp32 params' moments in buckets of their own after the others, as the store lays them out.
     by_group = sorted(owned, key=lambda e: e.group)

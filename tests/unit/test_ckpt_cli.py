@@ -128,7 +128,40 @@ def test_a_rank_without_a_store_is_reported(checkpoint):
     assert _inspect("inspect", str(checkpoint)).returncode == 0
     shutil.rmtree(state / "rank1.opt0")
     result = _inspect("inspect", str(checkpoint))
-    assert result.returncode == 1 and "the run had 2 ranks; no store for rank(s) [1]" in result.stdout
+    assert result.returncode == 1 and "the run had 2 ranks; no store rank1.opt0" in result.stdout
+
+
+def test_a_store_missing_for_one_optimizer_of_the_chain_is_reported(checkpoint):
+    """Each rank of a Megatron chain saves one store per optimizer (dense, experts): a rank
+    with a store of one optimizer but not of the other is a missing store too."""
+    state = checkpoint / STATE_DIRNAME
+    for rank in range(2):
+        shutil.copytree(state / f"rank{rank}.opt0", state / f"rank{rank}.opt1")
+    for store in ("rank0.opt0", "rank1.opt0", "rank0.opt1", "rank1.opt1"):
+        _rewrite(state / store / MANIFEST_NAME, store=store, topology={"world_size": 2, "dp_size": 2})
+    assert _inspect("inspect", str(checkpoint)).returncode == 0
+    shutil.rmtree(state / "rank1.opt1")
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1 and "the run had 2 ranks; no store rank1.opt1" in result.stdout
+
+
+def test_stores_of_two_saves_in_one_directory_are_reported(checkpoint):
+    state = checkpoint / STATE_DIRNAME
+    _rewrite(state / "rank0.opt0" / MANIFEST_NAME, topology={"world_size": 2, "dp_size": 2})
+    _rewrite(state / "rank1.opt0" / MANIFEST_NAME, topology={"world_size": 4, "dp_size": 4})
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1 and "different world sizes [2, 4]: the directory mixes saves" in result.stdout
+    _rewrite(state / "rank1.opt0" / MANIFEST_NAME, topology={"world_size": 2, "dp_size": 2}, steps_taken=2)
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1 and "different step counts [2, 3]: the directory mixes saves" in result.stdout
+
+
+def _rewrite(manifest, **fields):
+    """Set manifest fields, with its own checksum recomputed (a writer that means to be believed)."""
+    data = json.loads(manifest.read_text())
+    data.update(fields)
+    data[CHECKSUM_KEY] = checksum(data)
+    manifest.write_text(json.dumps(data))
 
 
 def test_block_checksums_are_each_blocks_crc32_however_the_bytes_arrive():

@@ -8,6 +8,9 @@ Adam is elementwise, so the sharded runs must match it exactly, before and after
 the resume: mains, both moments, and the bf16 params.
 """
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -438,3 +441,91 @@ def test_ckpt_reshard_says_a_plain_pytorch_save_has_no_parallelism_to_reshard(tm
     front.close()
     assert ckpt.main(["reshard", str(saved), "--dp", "2", "--out", str(tmp_path / "new")]) == 1
     assert "no parallel topology: a plain-PyTorch save" in capsys.readouterr().err
+
+
+def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, capsys):
+    """Two reshards into one place: the second is refused while the first holds the
+    output's lock (it used to remove the first's partial output, which then
+    renamed what was left into place and reported success)."""
+    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.fs import lock_file, unlock_file
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
+    out = tmp_path / "new" / "iter_0000002"
+    state = out / "streamed_optimizer_state"
+    out.mkdir(parents=True)
+    # Stand-ins for a running reshard (another process in use; flock is per open file, so
+    # a lock taken here excludes the command's own open of the file as it would another's).
+    (out / "streamed_optimizer_state.partial").mkdir()
+    held = lock_file(f"{state}.lock", 0)
+    try:
+        assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 1
+        assert "another reshard is writing" in capsys.readouterr().err
+        assert (out / "streamed_optimizer_state.partial").exists(), "a running reshard's output is left alone"
+    finally:
+        unlock_file(f"{state}.lock", held)
+    # Once that run is gone, its partial output is stale: removed, and the reshard completes.
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["streamed_optimizer_state"]
+    assert ckpt.main(["inspect", str(out)]) == 0
+
+
+def test_ckpt_reshard_names_a_missing_store_instead_of_failing_inside(tmp_path, capsys):
+    from miles_plugins.optimizers import ckpt
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
+    shutil.rmtree(saved / "streamed_optimizer_state" / "rank0.opt0")
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
+    err = capsys.readouterr().err
+    assert "saved by 2 ranks, and the store of rank(s) [0] is missing (rank0.opt0)" in err, err
+    assert "Traceback" not in err and not (tmp_path / "new").exists()
+
+
+def test_ckpt_reshard_checks_free_space_before_writing(tmp_path, capsys, monkeypatch):
+    from miles_plugins.optimizers import ckpt, fs
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(fs.shutil, "disk_usage", lambda path: usage._replace(free=4096))  # a nearly full drive
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
+    assert "the resharded state" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_ckpt_reshard_cancelled_by_sigterm_leaves_nothing(tmp_path):
+    """A scheduler's cancel (SIGTERM) part way: the partial output, its lock and the
+    directories made for it go; the exit status says so."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.unit.test_bad_input import REPO
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
+    out = tmp_path / "new" / "iter_0000002"
+    cmd = [sys.executable, "-m", "miles_plugins.optimizers.ckpt", "reshard", str(saved), "--dp", "4000"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as run:
+        assert run.stdout.readline().startswith(b"rank0.opt0: "), "the first new store is written"
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)
+    assert run.returncode == 143 and b"reshard terminated (SIGTERM): nothing was written" in err, err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("stray", ["symlink", "copy"])
+def test_ckpt_reshard_refuses_a_store_a_load_would_not_read(tmp_path, capsys, stray):
+    from miles_plugins.optimizers import ckpt
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000002")
+    state = saved / "streamed_optimizer_state"
+    if stray == "symlink":
+        shutil.move(state / "rank1.opt0", tmp_path / "elsewhere")
+        os.symlink(tmp_path / "elsewhere", state / "rank1.opt0")
+        reason = "rank1.opt0 is not a plain directory (a load refuses it)"
+    else:
+        shutil.copytree(state / "rank1.opt0", state / "rank1.opt0.bak")
+        reason = "rank1.opt0.bak: not named as a Megatron chain's stores are"
+    assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(tmp_path / "new")]) == 1
+    assert reason in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
