@@ -2,7 +2,8 @@
 
 Exit status: 0 when the command did what was asked (for ``drift``: every pinned
 function has a validated fingerprint), 1 on drift or a tree that is not patched
-(``status``), 2 when the command could not run (bad directory, a conflict).
+(``status``), 2 when the command could not run (bad directory, a conflict, a file of
+the tree that cannot be read, written or parsed), with one line saying why.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def main(argv: list[str] | None = None) -> int:
             return _drift(args)
     except (patching.PatchError, fingerprint.TreeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # What the tree's files can do to us: exit 2 (could not run), never 1 ("not patched", drift).
+    except SyntaxError as exc:
+        print(
+            f"error: {exc.filename}:{exc.lineno} is not valid Python ({exc.msg}); nothing was changed", file=sys.stderr
+        )
+        return 2
+    except UnicodeDecodeError as exc:
+        print(
+            f"error: a source file of the tree is not UTF-8 text ({exc.reason}); nothing was changed", file=sys.stderr
+        )
+        return 2
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     return 0
 

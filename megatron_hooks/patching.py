@@ -182,8 +182,15 @@ def _apply_series(root: Path, patches: list[Path], reverse: bool) -> None:
     original = target.read_bytes()
     result = _git_apply(root, patches, *flags)
     if result.returncode != 0:
-        target.write_bytes(original)
-        raise PatchError(f"git apply failed after its check passed; {target} was restored: {result.stderr.strip()}")
+        try:
+            if target.read_bytes() != original:  # a read-only tree: git changed nothing
+                target.write_bytes(original)
+        except OSError as exc:
+            raise PatchError(
+                f"git apply failed ({result.stderr.strip()}), and restoring {target} failed too "
+                f"({exc.strerror}): check that file by hand"
+            ) from exc
+        raise PatchError(f"git apply failed after its check passed; {target} is unchanged: {result.stderr.strip()}")
 
 
 def apply(megatron_dir: str | os.PathLike, patches_dir: str | os.PathLike = DEFAULT_PATCHES_DIR) -> str:

@@ -105,3 +105,38 @@ def test_cli_exit_codes(tree, capsys):
     assert cli.main(["status", "--megatron-dir", str(tree)]) == 0
     assert cli.main(["apply", "--megatron-dir", str(tree / "nowhere")]) == 2
     assert "no megatron/training/checkpointing.py" in capsys.readouterr().err
+
+
+def test_what_a_tree_or_a_series_can_break_is_one_line_and_exit_2(tree, tmp_path, capsys):
+    """Exit 1 means "not patched" (status) or drift: a crash must not look like either."""
+    a_file = tmp_path / "series-file"
+    a_file.write_text("")
+    assert cli.main(["apply", "--megatron-dir", str(tree), "--patches", str(a_file)]) == 2
+    assert "Not a directory" in capsys.readouterr().err
+    target(tree).write_text("def broken(:\n")
+    for command in ("status", "apply"):
+        assert cli.main([command, "--megatron-dir", str(tree)]) == 2, command
+        assert "is not valid Python" in capsys.readouterr().err, command
+    (tree / "megatron" / "core" / "optimizer" / "distrib_optimizer.py").write_text("class (:\n")  # pinned code
+    assert cli.main(["drift", "--megatron-dir", str(tree)]) == 2
+    assert "distrib_optimizer.py:1 is not valid Python" in capsys.readouterr().err
+    target(tree).write_bytes(b"\xff\xfe not utf-8")
+    assert cli.main(["status", "--megatron-dir", str(tree)]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_git_apply_that_fails_after_its_check_leaves_the_file_and_says_why(tree, monkeypatch, capsys):
+    """As on a read-only tree (which root, running the tests, cannot make here): the check
+    passes, the apply fails having written nothing. Git is faked for that one call."""
+    real = patching._git_apply
+
+    def failing(root, patches, *flags):
+        if "--check" in flags:
+            return real(root, patches, *flags)
+        return subprocess.CompletedProcess([], 1, "", "error: unable to write file: Read-only file system")
+
+    before = target(tree).read_bytes()
+    monkeypatch.setattr(patching, "_git_apply", failing)
+    assert cli.main(["apply", "--megatron-dir", str(tree)]) == 2
+    assert "is unchanged: error: unable to write file: Read-only file system" in capsys.readouterr().err
+    assert target(tree).read_bytes() == before
