@@ -211,6 +211,13 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
         print("cannot reshard: --out is empty: give the new checkpoint's iteration directory", file=sys.stderr)
         return 2
     out_dir = out if os.path.basename(os.path.normpath(out)) == STATE_DIRNAME else os.path.join(out, STATE_DIRNAME)
+    iteration = os.path.basename(os.path.normpath(os.path.dirname(out_dir)))
+    if not re.fullmatch(r"iter_\d+", iteration):
+        print(
+            f"warning: --out {out} is not an iteration directory (iter_<N>): Megatron loads the state from "
+            "<checkpoint>/iter_<N>/, so copy it there",
+            flush=True,
+        )
     start = time.perf_counter()
     # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C, so the partial output is removed.
     previous = signal.signal(signal.SIGTERM, _terminated)
