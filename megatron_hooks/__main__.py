@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # What the tree's files can do to us: exit 2 (could not run), never 1 ("not patched", drift).
     except SyntaxError as exc:
-        print(
-            f"error: {exc.filename}:{exc.lineno} is not valid Python ({exc.msg}); nothing was changed", file=sys.stderr
-        )
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else "a source file of the tree"
+        print(f"error: {where} is not valid Python ({exc.msg}); nothing was changed", file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
         print(

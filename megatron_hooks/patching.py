@@ -108,8 +108,11 @@ def _marker(tree: ast.Module) -> int | None:
 
 def status(megatron_dir: str | os.PathLike) -> Status:
     root = find_root(megatron_dir)
-    source = (root / TARGET).read_text()
-    tree = ast.parse(source)
+    try:
+        source = (root / TARGET).read_text()
+    except UnicodeDecodeError as exc:
+        raise PatchError(f"{root / TARGET} is not UTF-8 text ({exc.reason}); is this a Megatron-LM tree?") from None
+    tree = ast.parse(source, filename=str(root / TARGET))
     abi, hooks = _marker(tree), _hook_calls(tree)
     for signature, origin in FOREIGN_HOOK_SIGNATURES.items():
         if signature in source and abi is None:

@@ -15,19 +15,21 @@ checks what a load would: the manifest's own checksum, that it is the store
 its directory is named after, its file table against its layout, and each
 file's presence, size and checksums (every byte is read); a store whose replace
 was cut off is read from ``.<name>.previous`` as a load does; a rank of the
-recorded world size without a store of every optimizer of the chain, and stores
-of different world sizes or (Megatron's) step counts, a directory that mixes
-saves, are problems too. Exit status: 0 when
+recorded world size without a store, a data-parallel group with some of its
+stores of an optimizer missing, and stores of different world sizes or
+(Megatron's) step counts, a directory that mixes saves, are problems too. Exit status: 0 when
 everything verifies, 1 on any problem (each one listed), 2 on bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
@@ -60,14 +62,31 @@ def stores_under(directory: str) -> list[tuple[str, str]]:
     return sorted(saved_dirs(directory).items())  # as persistence reads them
 
 
-def missing_stores(names: list[str], world_size: object) -> list[str]:
-    """The stores a load at ``world_size`` ranks (from a manifest's topology) would
-    look for and not find: every rank's store of every optimizer of the chain."""
+def missing_ranks(names: list[str], world_size: object) -> list[int]:
+    """Ranks of ``world_size`` (from a manifest's topology) no store is named after."""
     if type(world_size) is not int or world_size <= 0:
         return []
-    present = {(int(m.group(1)), m.group(2)) for name in names if (m := _STORE_NAME.fullmatch(name))}
-    optimizers = sorted({opt for _, opt in present}, key=lambda o: int(o[3:]))
-    return [f"rank{r}.{o}" for o in optimizers for r in range(world_size) if (r, o) not in present]
+    present = {int(m.group(1)) for name in names if (m := _STORE_NAME.fullmatch(name))}
+    return [rank for rank in range(world_size) if rank not in present] if present else []
+
+
+def incomplete_groups(topologies: dict[str, dict]) -> list[str]:
+    """Data-parallel groups of which some stores are saved and others are not: every
+    rank of a group holds the same optimizers (a pipeline stage without experts has no
+    expert optimizer on any of its ranks, which is no problem). ``topologies``: store
+    name -> its manifest's topology."""
+    groups: dict[tuple, set] = {}
+    for name, topology in topologies.items():
+        m = _STORE_NAME.fullmatch(name)
+        peers, dp_size, dp_rank = (topology.get(k) for k in ("shard_peers", "dp_size", "dp_rank"))
+        if m and isinstance(peers, dict) and type(dp_size) is int and type(dp_rank) is int:
+            groups.setdefault((m.group(2), dp_size, json.dumps(peers, sort_keys=True)), set()).add(dp_rank)
+    return [
+        f"{optimizer}: the data-parallel group of {', '.join(f'{k} {v}' for k, v in sorted(json.loads(peers).items()))} "
+        f"has {len(ranks)} of its {dp_size} stores (dp rank(s) {sorted(set(range(dp_size)) - ranks)} missing)"
+        for (optimizer, dp_size, peers), ranks in sorted(groups.items())
+        if len(ranks) < dp_size
+    ]
 
 
 def describe(manifest: Manifest) -> str:
@@ -140,7 +159,7 @@ def inspect(directory: str) -> int:
     if not stores:
         print(f"no saved streamed optimizer state under {directory}", file=sys.stderr)
         return 1
-    failed, world_sizes, steps = 0, set(), set()
+    failed, world_sizes, steps, topologies = 0, set(), set(), {}
     for name, path in stores:
         start = time.perf_counter()
         print(f"{path}:", flush=True)
@@ -150,7 +169,8 @@ def inspect(directory: str) -> int:
             problems, manifest = check_store(name, path)
             if manifest is not None:
                 print("  " + describe(manifest), flush=True)
-                world_sizes.add((manifest.data.get("topology") or {}).get("world_size"))
+                topologies[name] = manifest.data.get("topology") or {}
+                world_sizes.add(topologies[name].get("world_size"))
                 steps.add(manifest.data.get("steps_taken"))
         except (CheckpointMismatchError, StreamIOError, OSError, TypeError, AttributeError) as exc:
             problems = [str(exc).splitlines()[0] if isinstance(exc, (TypeError, AttributeError)) else str(exc)]
@@ -169,12 +189,14 @@ def inspect(directory: str) -> int:
         mixed.append(f"the stores record different step counts {sorted(steps, key=str)}")
     for problem in mixed:
         print(f"PROBLEM: {problem}: the directory mixes saves", flush=True)
-    absent = missing_stores([name for name, _ in stores], next(iter(world_sizes)) if len(world_sizes) == 1 else None)
+    absent = missing_ranks([name for name, _ in stores], next(iter(world_sizes)) if len(world_sizes) == 1 else None)
     if absent:
-        shown = ", ".join(absent[:8]) + (f" and {len(absent) - 8} more" if len(absent) > 8 else "")
-        print(f"PROBLEM: the run had {next(iter(world_sizes))} ranks; no store {shown}", flush=True)
+        print(f"PROBLEM: the run had {next(iter(world_sizes))} ranks; no store for rank(s) {absent}", flush=True)
+    incomplete = incomplete_groups(topologies)
+    for problem in incomplete:
+        print(f"PROBLEM: {problem}", flush=True)
     print(f"{len(stores) - failed} of {len(stores)} saved stores verify", flush=True)
-    return 1 if failed or absent or mixed else 0
+    return 1 if failed or absent or mixed or incomplete else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,17 +232,22 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
     if not out.strip():
         print("cannot reshard: --out is empty: give the new checkpoint's iteration directory", file=sys.stderr)
         return 2
-    out_dir = out if os.path.basename(os.path.normpath(out)) == STATE_DIRNAME else os.path.join(out, STATE_DIRNAME)
-    iteration = os.path.basename(os.path.normpath(os.path.dirname(out_dir)))
-    if not re.fullmatch(r"iter_\d+", iteration):
+    out = os.path.normpath(os.path.abspath(out))  # a trailing slash would put the partial output inside
+    out_dir = out if os.path.basename(out) == STATE_DIRNAME else os.path.join(out, STATE_DIRNAME)
+    iteration = os.path.basename(os.path.dirname(out_dir))
+    if not re.fullmatch(r"iter_\d+|release", iteration):
         print(
-            f"warning: --out {out} is not an iteration directory (iter_<N>): Megatron loads the state from "
-            "<checkpoint>/iter_<N>/, so copy it there",
+            f"warning: --out {out} is not an iteration directory (iter_<N> or release): Megatron loads the "
+            "state from <checkpoint>/iter_<N>/, so copy it there",
             flush=True,
         )
     start = time.perf_counter()
     # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C, so the partial output is removed.
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    # (Only the main thread may set a handler; one set from C is left alone.)
+    previous = signal.getsignal(signal.SIGTERM)
+    handle = previous is not None and threading.current_thread() is threading.main_thread()
+    if handle:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         stores = stores_under(directory)
         if not stores:
@@ -248,7 +275,8 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
         print(f"reshard {what}: {done}", file=sys.stderr)
         return 143 if isinstance(exc, _Terminated) else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if handle:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {dp} rank(s) of streamed optimizer state to {out_dir} in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -52,7 +52,12 @@ def lock_file(path: str, wait_s: float) -> int | None:
     is taken instead."""
     for _ in range(_LOCK_ATTEMPTS):
         fd = open_file(path, os.O_RDWR | os.O_CREAT)
-        if not _flock_within(fd, wait_s):
+        try:
+            locked = _flock_within(fd, wait_s)
+        except OSError as exc:  # a filesystem without flock (ENOLCK, EOPNOTSUPP: Lustre noflock, NFS without lockd)
+            os.close(fd)
+            raise StreamIOError(f"cannot lock {path}: {exc.strerror}", path, 0, exc.errno) from exc
+        if not locked:
             os.close(fd)
             return None
         if is_current_file(fd, path):

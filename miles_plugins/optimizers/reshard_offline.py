@@ -27,6 +27,7 @@ import contextlib
 import errno
 import math
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -153,22 +154,37 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
     ]
     needed = sum(b.file_size for _, t in targets for b in t.buckets)
     needed += sum(3 * 4 * m.numel() for _, t in targets for m in t.resident_mains)  # at most main + moments
+    needed += _MANIFEST_ALLOWANCE * len(targets)
     parent = os.path.dirname(os.path.abspath(out_dir))
     created, path = [], parent  # the parents made here (deepest first), removed again on a failure
     while not os.path.lexists(path):
         created.append(path)
         path = os.path.dirname(path)
-    lock, renamed = None, False
+    lock_path = f"{out_dir}.lock"
+    lock, owned, renamed = None, False, False  # owned: the partial output is this run's to remove
     try:
         make_dirs(parent)
-        lock = lock_file(f"{out_dir}.lock", 0)
-        if lock is None:
-            raise StreamIOError(
-                f"another reshard is writing {out_dir} (it holds {out_dir}.lock): let it finish, or give another --out",
-                out_dir,
-                0,
-                errno.EBUSY,
+        try:
+            lock = lock_file(lock_path, 0)
+        except StreamIOError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)  # nobody can hold a lock there
+            log(
+                f"warning: the filesystem under {parent} has no flock ({os.strerror(exc.errno)}): a second reshard into "
+                f"{out_dir} at the same time is not kept out; run one at a time"
             )
+        else:
+            if lock is None:
+                raise StreamIOError(
+                    f"another reshard is writing {out_dir} (it holds {lock_path}): let it finish, or give another "
+                    "--out",
+                    out_dir,
+                    0,
+                    errno.EBUSY,
+                )
+        owned = True
         if os.path.lexists(out_dir):  # written by a run that held the lock before us
             raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
         remove_private_dir(partial)  # left by a run that was cut off (its lock is gone with it)
@@ -189,25 +205,49 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
         for directory in created:  # each directory made here, in its own parent
             fsync_dir(os.path.dirname(directory))
     except BaseException as exc:
-        if renamed:  # complete and in place; only making that durable failed
-            raise StreamIOError(
-                f"{out_dir} is complete and in place, but syncing its directory entries failed ({exc}): "
-                "it may not survive a power loss until the filesystem is synced",
-                out_dir,
-            ) from exc
-        # The failure that got here is the one to report: cleaning up stays quiet.
-        if lock is not None:  # the partial output is ours only while we hold the lock
-            with contextlib.suppress(OSError):
-                remove_private_dir(partial)
-            unlock_file(f"{out_dir}.lock", lock)
-            lock = None
-        for directory in created:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
+        if renamed:  # complete and in place
+            if isinstance(exc, Exception):  # only making that durable failed
+                raise StreamIOError(
+                    f"{out_dir} is complete and in place, but syncing its directory entries failed ({exc}): "
+                    "it may not survive a power loss until the filesystem is synced",
+                    out_dir,
+                ) from exc
+            raise  # an interrupt: the caller finds the output in place
+        # The failure that got here is the one to report: cleaning up stays quiet, and a
+        # second interrupt waits until it is done.
+        with _signals_deferred():
+            if owned:
+                with contextlib.suppress(OSError):
+                    remove_private_dir(partial)
+            if lock is not None:
+                unlock_file(lock_path, lock)
+                lock = None
+            for directory in created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
         raise
     finally:
         if lock is not None:
-            unlock_file(f"{out_dir}.lock", lock)
+            unlock_file(lock_path, lock)
+
+
+# Errors of flock on a filesystem that does not support it (Lustre mounted noflock, NFS
+# without a lock manager): the reshard goes on unlocked, saying so.
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+# Bytes allowed per new store beyond its bucket and resident files: its manifest (layout,
+# pieces, remainder exceptions), and the filesystem's rounding of each file.
+_MANIFEST_ALLOWANCE = 1 << 20
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM held back (in this thread) until the block is done."""
+    signals = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _default_ddp_bucket_size(dp: int | None) -> int | None:

@@ -128,21 +128,38 @@ def test_a_rank_without_a_store_is_reported(checkpoint):
     assert _inspect("inspect", str(checkpoint)).returncode == 0
     shutil.rmtree(state / "rank1.opt0")
     result = _inspect("inspect", str(checkpoint))
-    assert result.returncode == 1 and "the run had 2 ranks; no store rank1.opt0" in result.stdout
+    assert result.returncode == 1 and "the run had 2 ranks; no store for rank(s) [1]" in result.stdout
 
 
-def test_a_store_missing_for_one_optimizer_of_the_chain_is_reported(checkpoint):
-    """Each rank of a Megatron chain saves one store per optimizer (dense, experts): a rank
-    with a store of one optimizer but not of the other is a missing store too."""
+def _chain(state, stores):
+    """Give the saved stores the names and Megatron topologies of ``stores``: name ->
+    (dp_size, dp_rank, pp_rank), world size 2; copies of rank0.opt0's bytes."""
+    for name, (dp_size, dp_rank, pp_rank) in stores.items():
+        if not (state / name).exists():
+            shutil.copytree(state / "rank0.opt0", state / name)
+        topology = {"world_size": 2, "dp_size": dp_size, "dp_rank": dp_rank, "shard_peers": {"pp_rank": pp_rank}}
+        _rewrite(state / name / MANIFEST_NAME, store=name, topology=topology)
+
+
+def test_a_data_parallel_group_missing_a_store_of_one_optimizer_is_reported(checkpoint):
+    """Each rank of a Megatron chain saves one store per optimizer (dense, experts): a
+    rank with the dense optimizer's store but not the expert one's, where its
+    data-parallel peers have both, is a missing store."""
     state = checkpoint / STATE_DIRNAME
-    for rank in range(2):
-        shutil.copytree(state / f"rank{rank}.opt0", state / f"rank{rank}.opt1")
-    for store in ("rank0.opt0", "rank1.opt0", "rank0.opt1", "rank1.opt1"):
-        _rewrite(state / store / MANIFEST_NAME, store=store, topology={"world_size": 2, "dp_size": 2})
+    _chain(state, {f"rank{r}.opt{o}": (2, r, 0) for r in range(2) for o in range(2)})
     assert _inspect("inspect", str(checkpoint)).returncode == 0
     shutil.rmtree(state / "rank1.opt1")
     result = _inspect("inspect", str(checkpoint))
-    assert result.returncode == 1 and "the run had 2 ranks; no store rank1.opt1" in result.stdout
+    assert result.returncode == 1, result.stdout
+    assert "opt1: the data-parallel group of pp_rank 0 has 1 of its 2 stores (dp rank(s) [1] missing)" in result.stdout
+
+
+def test_a_pipeline_stage_without_experts_is_no_problem(checkpoint):
+    """PP=2 with experts only in the second stage: rank 0 has no expert optimizer at all."""
+    state = checkpoint / STATE_DIRNAME
+    _chain(state, {"rank0.opt0": (1, 0, 0), "rank1.opt0": (1, 0, 1), "rank1.opt1": (1, 0, 1)})
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 0, result.stdout
 
 
 def test_stores_of_two_saves_in_one_directory_are_reported(checkpoint):

@@ -116,13 +116,13 @@ def test_what_a_tree_or_a_series_can_break_is_one_line_and_exit_2(tree, tmp_path
     target(tree).write_text("def broken(:\n")
     for command in ("status", "apply"):
         assert cli.main([command, "--megatron-dir", str(tree)]) == 2, command
-        assert "is not valid Python" in capsys.readouterr().err, command
+        assert f"{target(tree)}:1 is not valid Python" in capsys.readouterr().err, command
     (tree / "megatron" / "core" / "optimizer" / "distrib_optimizer.py").write_text("class (:\n")  # pinned code
     assert cli.main(["drift", "--megatron-dir", str(tree)]) == 2
     assert "distrib_optimizer.py:1 is not valid Python" in capsys.readouterr().err
     target(tree).write_bytes(b"\xff\xfe not utf-8")
     assert cli.main(["status", "--megatron-dir", str(tree)]) == 2
-    assert "is not UTF-8 text" in capsys.readouterr().err
+    assert f"{target(tree)} is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_a_git_apply_that_fails_after_its_check_leaves_the_file_and_says_why(tree, monkeypatch, capsys):
