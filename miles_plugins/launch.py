@@ -191,6 +191,15 @@ def _wrap_parse(original: Callable) -> Callable:
                 check_patched()
             except HooksNotInstalledError as exc:
                 raise LaunchError(str(exc)) from exc
+        # The streaming settings too, before the model is built (at the optimizer's build
+        # they would be refused minutes in, and not at all on a path the launcher does not wrap).
+        from miles_plugins.optimizers.args import validate_args
+        from miles_plugins.optimizers.errors import StreamConfigError
+
+        try:
+            validate_args(hooks.parsed)
+        except StreamConfigError as exc:
+            raise LaunchError(str(exc)) from exc
         return hooks.parsed
 
     return parse_args
@@ -200,10 +209,14 @@ def _wrap_build(original: Callable) -> Callable:
     def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
+        from miles_plugins.optimizers.errors import StreamConfigError
         from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
 
         optimizer = original(*args, **kwargs)
-        setup_optimizer_state_streaming(get_args(), optimizer)
+        try:
+            setup_optimizer_state_streaming(get_args(), optimizer)
+        except StreamConfigError as exc:  # what only the built optimizer shows; one line, not a traceback
+            raise LaunchError(str(exc)) from exc
         _current.optimizers += 1
         return optimizer
 
@@ -238,6 +251,11 @@ def run(script: str, script_args: list[str]) -> None:
     """Run ``script`` as ``__main__`` with ``script_args``, hooks installed."""
     # As `python SCRIPT.py`: the script's real directory, not the working directory, comes first.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
+    # This project's packages stay importable when run from an uninstalled checkout (the
+    # working directory just left the path); last, so nothing of the script's is shadowed.
+    project = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if project not in sys.path:
+        sys.path.append(project)
     global _current
     hooks = _current = _Hooks(script_args)
     install()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -426,9 +427,20 @@ def validate_args(args: argparse.Namespace) -> None:
     Does nothing when ``--stream-optimizer-state-to-disk`` is off.
     """
     if not _get(args, STREAM_FLAG, False):
+        if changed := _streaming_settings_given(args):
+            warnings.warn(
+                f"{', '.join(changed)} given, but --stream-optimizer-state-to-disk is off: nothing streams",
+                stacklevel=2,
+            )
         return
     reasons = refusals_of_args(args)
-    if not _get(args, "offload_train_disk_dir"):
+    given_dir = _get(args, "offload_train_disk_dir")
+    if given_dir is not None and not str(given_dir).strip():
+        reasons.append(
+            "--offload-train-disk-dir is empty (an unset variable?): name the node-local NVMe directory, "
+            f"or leave the flag out for the default ({default_directory()})"
+        )
+    elif not given_dir:
         args.offload_train_disk_dir = default_directory()
     try:  # the settings themselves (moment dtype, staging budget, ...), as the store will check them
         config_from_args(args, name="rank0")
@@ -441,6 +453,17 @@ def validate_args(args: argparse.Namespace) -> None:
         reasons.append(reason)
     if reasons:
         raise StreamConfigError("--stream-optimizer-state-to-disk cannot be used with:\n  - " + "\n  - ".join(reasons))
+
+
+def _streaming_settings_given(args: argparse.Namespace) -> list[str]:
+    """This module's --stream-optimizer-state-* flags that differ from their defaults."""
+    return [
+        flag
+        for flag, kwargs in _FLAGS
+        if flag.startswith("--stream-optimizer-state-")
+        and flag != "--stream-optimizer-state-to-disk"
+        and _get(args, flag[2:].replace("-", "_"), kwargs.get("default")) != kwargs.get("default")
+    ]
 
 
 # How StreamConfig's messages begin -> the flag that sets it (its messages name settings, not flags).

@@ -208,9 +208,15 @@ class StreamConfig:
                 f"directory must be a non-empty path (or several, comma-separated), got {self.directory!r}; "
                 "point it at node-local NVMe, e.g. /scratch/optimizer_state"
             )
-        normalized = [os.path.normpath(os.path.abspath(d)) for d in directories if d]
+        normalized = [os.path.realpath(d) for d in directories if d]  # a symlink to one is that one
         if len(set(normalized)) != len(normalized):
             raise StreamConfigError(f"directory names the same directory twice: {self.directory!r}")
+        for outer in normalized:
+            for inner in normalized:
+                if inner != outer and os.path.commonpath([outer, inner]) == outer:
+                    raise StreamConfigError(
+                        f"directory names {inner} inside {outer}: give one directory per drive ({self.directory!r})"
+                    )
         if self.moment_dtype in REMOVED_MOMENT_DTYPES:
             raise StreamConfigError(
                 f"moment dtype {self.moment_dtype!r} is no longer offered: "

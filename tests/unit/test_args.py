@@ -2,6 +2,7 @@
 
 import argparse
 import re
+import warnings
 
 import pytest
 
@@ -84,6 +85,7 @@ REFUSED = {
     ),
     "a drive listed twice": (dict(offload_train_disk_dir="/nvme0/s,/nvme0/s/"), "--offload-train-disk-dir: directory"),
     "bad chunk": (dict(offload_train_disk_chunk_mb=0), "positive number of MiB"),
+    "an empty directory (an unset variable)": (dict(offload_train_disk_dir=""), "--offload-train-disk-dir is empty"),
     "remainder mains without bf16": (
         dict(stream_optimizer_state_main_storage="remainder", bf16=False),
         "'remainder' without --bf16",
@@ -118,6 +120,20 @@ def test_every_violation_is_reported_at_once():
 
 def test_fields_a_launcher_lacks_read_as_defaults():
     validate_args(argparse.Namespace(stream_optimizer_state_to_disk=True, use_distributed_optimizer=True))
+
+
+def test_streaming_settings_without_the_switch_are_warned_about():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--stream-optimizer-state-tier", "host", "--stream-optimizer-state-host-budget-gb", "8"])
+    with pytest.warns(
+        UserWarning,
+        match="tier, --stream-optimizer-state-host-budget-gb given, but --stream-optimizer-state-to-disk is off",
+    ):
+        validate_args(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_args(parser.parse_args([]))  # defaults: nothing to say
 
 
 def test_streaming_off_changes_nothing_even_without_a_directory():

@@ -97,6 +97,10 @@ def _tree(tmp_path, patched=True, script=PRETRAIN) -> str:
     return str(tmp_path / "pretrain.py")
 
 
+# Streaming on, with the settings it needs to get past parsing.
+STREAMING = ("--stream-optimizer-state-to-disk", "--use-distributed-optimizer")
+
+
 def _launch(*args, launcher=(sys.executable, "-m", "miles_plugins.launch"), cwd=REPO):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([*launcher, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
@@ -120,16 +124,27 @@ def test_the_script_runs_unmodified_with_the_streaming_flags_on_megatrons_parser
     result = _launch(script, "--mine", "y", "--stream-optimizer-state-tier", "host")
     assert result.returncode == 0, result.stderr
     assert f"argv0 {script} mine y tier host" in result.stdout
+    assert "--stream-optimizer-state-tier given, but --stream-optimizer-state-to-disk is off" in result.stderr
     assert result.stdout.index("optimizer built") < result.stdout.index("training")
 
 
-def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_built(tmp_path):
-    """Megatron's parsed args reach setup_optimizer_state_streaming: here they lack
-    --use-distributed-optimizer, which it refuses, after the optimizer was built and
-    before training started."""
-    result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk")
-    assert result.returncode != 0
+def test_settings_streaming_cannot_work_with_are_refused_before_the_model_is_built(tmp_path):
+    """Refused when the script parses its arguments, in one line per reason (they were
+    refused only when the optimizer was built, minutes in, as a traceback)."""
+    result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", "a,,b")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "--use-distributed-optimizer is off" in result.stderr
+    assert "--offload-train-disk-dir: directory must be a non-empty path" in result.stderr
+    assert "argv0" not in result.stdout and "optimizer built" not in result.stdout
+
+
+def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_built(tmp_path):
+    """Megatron's parsed args and the built optimizer reach setup_optimizer_state_streaming
+    before training starts: the stand-in's optimizer is no DistributedOptimizer, refused
+    in one line."""
+    result = _launch(_tree(tmp_path), *STREAMING)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "binds to Megatron's DistributedOptimizer only" in result.stderr and "builtins.object" in result.stderr
     assert "optimizer built" in result.stdout and "training" not in result.stdout.splitlines()
 
 
@@ -153,9 +168,9 @@ def test_a_script_that_puts_the_tree_on_sys_path_itself_is_checked_against_that_
         "sys.path.append(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir))\n"
         + textwrap.dedent(PRETRAIN)
     )
-    result = _launch(str(script), "--stream-optimizer-state-to-disk")
-    # The tree passed the check; streaming then refuses the stand-in's arguments, as it should.
-    assert "--use-distributed-optimizer is off" in result.stderr, result.stderr
+    result = _launch(str(script), *STREAMING)
+    # The tree passed the check; streaming then refuses the stand-in's optimizer, as it should.
+    assert "binds to Megatron's DistributedOptimizer only" in result.stderr, result.stderr
     assert f"argv0 {script}" in result.stdout and "optimizer built" in result.stdout
 
 
@@ -184,7 +199,7 @@ def test_a_script_that_trains_with_an_optimizer_built_elsewhere_is_refused_when_
             training.train(object())
         """,
     )
-    result = _launch(script, "--stream-optimizer-state-to-disk")
+    result = _launch(script, *STREAMING)
     assert result.returncode == 1
     assert "the training loop started without an optimizer built by megatron.training" in result.stderr
     assert "training" not in result.stdout.splitlines()
@@ -227,7 +242,7 @@ def test_help_and_runs_that_build_no_optimizer_exit_cleanly(tmp_path):
             print("evaluated")
         """,
     )
-    result = _launch(evaluate_only, "--stream-optimizer-state-to-disk")
+    result = _launch(evaluate_only, *STREAMING)
     assert result.returncode == 0 and "evaluated" in result.stdout, result.stderr
     # It cannot tell such a run from one with an optimizer of its own: it says nothing streamed.
     assert "built no optimizer through megatron.training's setup_model_and_optimizer" in result.stderr
@@ -338,6 +353,6 @@ def test_a_script_that_streams_its_own_optimizer_gets_no_warning(tmp_path):
             print("own loop trained")
         """,
     )
-    result = _launch(script, "--stream-optimizer-state-to-disk")
+    result = _launch(script, *STREAMING)
     assert result.returncode == 0 and "own loop trained" in result.stdout, result.stderr
     assert "warning" not in result.stderr

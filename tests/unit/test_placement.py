@@ -332,3 +332,12 @@ def test_staging_allocated_is_what_the_config_reports_with_an_unused_directory(t
     assert streamed.store.placement["disk"] == 1
     assert sum(m.nbytes for m in streamed.store._engine._stagings) == config.staging_bytes_total
     streamed.close()
+
+
+def test_directories_that_are_one_or_nest_are_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    with pytest.raises(StreamConfigError, match="the same directory twice"):
+        StreamConfig(directory=f"{tmp_path}/d,{tmp_path}/link")
+    with pytest.raises(StreamConfigError, match=f"directory names {tmp_path}/d/sub inside {tmp_path}/d"):
+        StreamConfig(directory=f"{tmp_path}/d,{tmp_path}/d/sub")
