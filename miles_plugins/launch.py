@@ -191,15 +191,9 @@ def _wrap_parse(original: Callable) -> Callable:
                 check_patched()
             except HooksNotInstalledError as exc:
                 raise LaunchError(str(exc)) from exc
-        # The streaming settings too, before the model is built (at the optimizer's build
-        # they would be refused minutes in, and not at all on a path the launcher does not wrap).
-        from miles_plugins.optimizers.args import validate_args
-        from miles_plugins.optimizers.errors import StreamConfigError
-
-        try:
-            validate_args(hooks.parsed)
-        except StreamConfigError as exc:
-            raise LaunchError(str(exc)) from exc
+        # The streaming settings are checked when the optimizer is built, on the arguments
+        # Megatron's own validate_args left (it turns settings on and off; --use-checkpoint-args
+        # replaces them): here they would be refused wrongly.
         return hooks.parsed
 
     return parse_args
@@ -226,6 +220,13 @@ def _wrap_build(original: Callable) -> Callable:
 def _wrap_train(original: Callable) -> Callable:
     def train(*args: Any, **kwargs: Any) -> Any:
         if _current.streaming and not _current.optimizers:
+            from megatron.training import get_args
+
+            from miles_plugins.optimizers.args import refusals_of_args
+
+            reasons = refusals_of_args(get_args())
+            if reasons:  # e.g. --optimizer muon, built by a function of its own
+                raise LaunchError(f"{STREAM_FLAG} cannot be used with:\n  - " + "\n  - ".join(reasons))
             raise LaunchError(
                 f"{STREAM_FLAG} is on, but the training loop started without an optimizer built by "
                 "megatron.training's setup_model_and_optimizer (get_megatron_optimizer), so nothing would "

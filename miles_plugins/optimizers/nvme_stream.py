@@ -42,9 +42,9 @@ def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) ->
     of every ``DistributedOptimizer`` in the chain under
     ``<--offload-train-disk-dir>/optimizer_state/rank<global rank>.opt<i>``.
     """
+    validate_args(args)  # off: warns about streaming settings given without the switch
     if not getattr(args, STREAM_FLAG, False):
         return []
-    validate_args(args)
     name = f"rank{_global_rank()}"
     for directory in args.offload_train_disk_dir.split(","):  # one per drive
         _purge_previous_layout(directory.strip(), name)
