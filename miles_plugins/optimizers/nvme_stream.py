@@ -36,8 +36,8 @@ streamed_optimizers = 0
 def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) -> list[MegatronBinding]:
     """Turn streaming on for ``optimizer`` when ``args`` asks for it.
 
-    With ``--stream-optimizer-state-to-disk`` off this does nothing and returns
-    ``[]``. Otherwise it validates ``args`` (:func:`args.validate_args`: every
+    With ``--stream-optimizer-state-to-disk`` off this does nothing (but warn about
+    streaming settings given without it) and returns ``[]``. Otherwise it validates ``args`` (:func:`args.validate_args`: every
     unsupported setting refused at once, with its reason) and streams the state
     of every ``DistributedOptimizer`` in the chain under
     ``<--offload-train-disk-dir>/optimizer_state/rank<global rank>.opt<i>``.
