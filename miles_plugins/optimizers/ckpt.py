@@ -124,11 +124,18 @@ def verify(store: str, manifest: Manifest) -> list[str]:
     return [problems[name] for name in sorted(problems)]
 
 
+def _not_plain_dir(path: str) -> str | None:
+    """Why a load would refuse the store at ``path`` before reading it, or None."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return f"{path} is not a plain directory (a load refuses it)"
+    return None
+
+
 def check_store(name: str, path: str) -> tuple[list[str], Manifest | None]:
     """Every problem a load of the store at ``path`` would meet in its files,
     with the manifest (None when that is unreadable)."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        return [f"{path} is not a plain directory (a load refuses it)"], None
+    if not_plain := _not_plain_dir(path):
+        return [not_plain], None
     manifest = Manifest.read(path)  # raises on a missing, damaged or edited manifest
     problems = []
     if manifest.data.get("store") != name:
@@ -253,8 +260,8 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
         if not stores:
             raise NotAStateDir(f"no saved streamed optimizer state under {directory}")
         for _, path in stores:  # what a load would read, and nothing else
-            if os.path.islink(path) or not os.path.isdir(path):
-                raise NotAStateDir(f"{path} is not a plain directory (a load refuses it)")
+            if not_plain := _not_plain_dir(path):
+                raise NotAStateDir(not_plain)
         strays = [name for name, _ in stores if not _STORE_NAME.fullmatch(name)]
         if strays and len(strays) < len(stores):
             raise NotAStateDir(

@@ -304,13 +304,13 @@ def _target(directory: str, name: str, peers: list[Peer], dp: int, rank: int) ->
                 fp32.update(n for n, _, _ in pieces)
         groups.update({n: g for n, _, g in peer.data["resident_pieces"]})
         fp32.update(n for n, _, _ in peer.data["resident_pieces"])
-    owned = megatron_pieces(first["param_layout"], dp, rank)
-    if lost := sorted({p.key for _, p in owned if p.key not in groups}):
+    ranges = megatron_pieces(first["param_layout"], dp, rank)  # (DDP bucket key, piece) this rank owns
+    if lost := sorted({p.key for _, p in ranges if p.key not in groups}):
         raise CheckpointMismatchError(
             f"cannot reshard into {name}: param(s) {lost[:4]} of the saved DDP layout are in no saved store "
             "(a store of the checkpoint is missing)"
         )
-    owned = [_Entry(p, groups[p.key], key) for key, p in owned]
+    owned = [_Entry(p, groups[p.key], key) for key, p in ranges]
     # The master's groups in order, each in bucket order; bf16 params before fp32 ones (the binding's
     # order); the fp32 params' moments in buckets of their own after the others, as the store lays them out.
     by_group = sorted(owned, key=lambda e: e.group)
