@@ -217,14 +217,10 @@ def missing_dirs(path: str) -> list[str]:
 
 
 def _bad_directories(parents: list[str]) -> str | None:
-    """Why ``--dir``'s directories cannot hold scratch directories, or None."""
+    """Why ``--dir``'s directories cannot hold scratch directories, or None (the same
+    directory twice, or nested, is ``StreamConfig``'s to refuse, below)."""
     if not all(parents):
         return "an empty directory name (give one path, or several separated by commas)"
-    seen: dict[str, str] = {}
-    for p in parents:
-        if (real := os.path.realpath(p)) in seen:
-            return f"names the same directory twice ({seen[real]} and {p})"
-        seen[real] = p
     return next((f"{p} is not a directory" for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
 
 
