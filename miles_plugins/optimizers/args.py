@@ -424,7 +424,8 @@ def validate_args(args: argparse.Namespace) -> None:
     """Refuse settings streaming cannot work with, all at once, its own settings
     (moment dtype, staging budget, ...) included; fill the default directory.
 
-    Does nothing when ``--stream-optimizer-state-to-disk`` is off.
+    When ``--stream-optimizer-state-to-disk`` is off it changes nothing, and warns
+    about streaming settings given without it.
     """
     if not _get(args, STREAM_FLAG, False):
         if changed := _streaming_settings_given(args):
