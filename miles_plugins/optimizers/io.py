@@ -43,7 +43,14 @@ class HostMemory:
     needs the alignment): an anonymous private mapping, page-locked when ``pin``
     so host<->device copies run as DMA. The pinning is ``cudaHostRegister`` on
     the mapping, not torch's pinned allocator, which rounds every size up to a
-    power of two (up to twice the host memory asked for). ``release()`` unpins."""
+    power of two (up to twice the host memory asked for). ``release()`` unpins.
+
+    The mapping is left out of forked children (``MADV_DONTFORK``): Linux copies
+    the DMA-pinned pages of a private mapping into the child at fork time, so
+    every DataLoader worker Megatron forks after setup would otherwise double the
+    host home (measured on an H200 machine: 16 GiB pinned, two forks, 16.2 GiB
+    less available). A child never touches the state; where it forks and execs
+    (subprocess), nothing changes."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
@@ -54,6 +61,8 @@ class HostMemory:
             raise StreamIOError(
                 f"cannot allocate {nbytes} bytes of host memory: {exc.strerror}", "<host memory>", 0, exc.errno
             ) from exc
+        if _MADV_DONTFORK is not None:
+            self._mapping.madvise(_MADV_DONTFORK)  # before pinning: the pages must never reach a child
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)[:nbytes]
         self.view = memoryview(self._mapping)[:nbytes]  # for os.preadv / os.pwritev
         self._pinned = False
@@ -77,6 +86,8 @@ class HostMemory:
 
 # cudaHostRegisterPortable: pinned for every CUDA context, as torch's pinned memory is.
 _HOST_REGISTER_PORTABLE = 1
+# Linux only; elsewhere (no fork-time copy of pinned pages to avoid) None.
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", None)
 
 
 class FileHandle:
