@@ -14,7 +14,9 @@ of Megatron-LM's training package are wrapped in memory (no patch hunks):
   :func:`~miles_plugins.optimizers.args.add_arguments`, so Megatron's parser
   knows the streaming flags;
 - ``megatron.training.training.get_megatron_optimizer``, which
-  ``setup_model_and_optimizer`` calls: once it has built the optimizer,
+  ``setup_model_and_optimizer`` calls: with streaming on it builds the
+  optimizer without device memory for the fp32 mains (``build_without_mains``:
+  the build's peak is then 6 bytes per param, not 10), and once it has built it,
   :func:`setup_optimizer_state_streaming` turns streaming on (a no-op without
   ``--stream-optimizer-state-to-disk``), before ``load_checkpoint`` runs.
 
@@ -203,13 +205,17 @@ def _wrap_build(original: Callable) -> Callable:
     def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
+        from megatron_hooks.checkpoint import HooksNotInstalledError
+        from megatron_hooks.fingerprint import DriftError
         from miles_plugins.optimizers.errors import StreamConfigError
-        from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
+        from miles_plugins.optimizers.nvme_stream import build_without_mains, setup_optimizer_state_streaming
 
-        optimizer = original(*args, **kwargs)
         try:
+            with build_without_mains(get_args()):
+                optimizer = original(*args, **kwargs)
             setup_optimizer_state_streaming(get_args(), optimizer)
-        except StreamConfigError as exc:  # what only the built optimizer shows; one line, not a traceback
+        except (StreamConfigError, DriftError, HooksNotInstalledError) as exc:
+            # What only the built optimizer (or the live Megatron) shows; a message, not a traceback.
             raise LaunchError(str(exc)) from exc
         _current.optimizers += 1
         return optimizer

@@ -305,7 +305,12 @@ class DeviceBacking:
     ``gpu`` home): a step's reads and writes are device-to-device copies, with no
     PCIe transfer and no drive. The buffer holds the stored format, so a bucket
     here costs its stored size between steps and computes exactly as anywhere
-    else. One copy, written in place, as the host home."""
+    else. One copy, written in place, as the host home.
+
+    A bucket's buffer is allocated at its first :meth:`open` (the store's first
+    write of its mains), not here: by then the mains of every bucket written
+    before it have given their device memory back, so a GPU home never sits on
+    top of the fp32 mains Megatron's build allocated."""
 
     keeps_previous_state = False
 
@@ -313,12 +318,7 @@ class DeviceBacking:
         self.device = device
         self.buffers: dict[int, torch.Tensor] = {}
         self._offloaded: dict[int, HostMemory] = {}
-        try:
-            for bucket in buckets:
-                self.add(bucket)
-        except BaseException:
-            self.release()
-            raise
+        self._unallocated = {bucket.index: bucket for bucket in buckets}
 
     def add(self, bucket: BucketLayout) -> torch.Tensor:
         """Device memory for one more bucket, zeroed: bytes no write reaches (alignment
@@ -341,10 +341,15 @@ class DeviceBacking:
         """Free one bucket's memory (it went back to its place below)."""
         del self.buffers[bucket.index]
 
+    def _buffer(self, bucket: BucketLayout) -> torch.Tensor:
+        if bucket.index in self._unallocated:
+            self.add(self._unallocated.pop(bucket.index))
+        return self.buffers[bucket.index]
+
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
         # Device-to-device copies go on the caller's stream: ordered with the update
         # and with the caching allocator's reuse of freed bucket memory.
-        return BufferHandle(self.buffers[bucket.index], f"<device memory of bucket {bucket.index}>", True)
+        return BufferHandle(self._buffer(bucket), f"<device memory of bucket {bucket.index}>", True)
 
     @property
     def offloaded(self) -> bool:
@@ -374,7 +379,7 @@ class DeviceBacking:
 
     def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes into an open file through the host ``buffer``, chunk by chunk."""
-        data = self.buffers[bucket.index]
+        data = self._buffer(bucket)
         for start in range(0, data.numel(), buffer.nbytes):
             n = min(buffer.nbytes, data.numel() - start)
             buffer.tensor[:n].copy_(data[start : start + n])
@@ -383,7 +388,7 @@ class DeviceBacking:
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from an open file into its buffer, in place, through ``crc``."""
-        data = self.buffers[bucket.index]
+        data = self._buffer(bucket)
         for start in range(0, data.numel(), buffer.nbytes):
             n = min(buffer.nbytes, data.numel() - start)
             pread_full(src_fd, src_path, start, buffer.view[:n])
@@ -392,6 +397,7 @@ class DeviceBacking:
 
     def release(self) -> None:
         self.buffers.clear()
+        self._unallocated.clear()
         for memory in self._offloaded.values():
             memory.release()
         self._offloaded.clear()

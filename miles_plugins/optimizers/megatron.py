@@ -35,6 +35,13 @@ optimizer state:
   which move to pinned host memory and back (under an auto GPU budget: back to
   their places below, and the home is filled again at the restore).
 
+Built under :func:`deferred_mains` (the launcher does), a ``DistributedOptimizer``
+allocates no fp32 mains at all: Megatron's build would otherwise hold bf16 params,
+fp32 grads and fp32 mains at once (10 bytes per param, against 6 once streaming
+took the mains), and that build-time peak, not the steady state, capped the model
+size. The binding then fills each main from its param as the store writes it,
+bucket by bucket.
+
 Native-fp32 model params are their own mains (a view of the param buffer); their
 moments stream in buckets of their own, or stay resident beside them under a small
 optimizer of the same class (``fp32_param_moments``).
@@ -47,6 +54,7 @@ megatron-core 0.19.2 wheel's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import types
@@ -54,6 +62,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_hooks import fingerprint
 from megatron_hooks.checkpoint import check_patched
@@ -142,13 +151,82 @@ def check_upstream() -> None:
     fingerprint.check_live(PINS)
 
 
+class _MainsWithoutStorage(TorchFunctionMode):
+    """Turns ``Tensor.float()`` of a bf16/fp16 tensor into an fp32 tensor of its shape
+    whose storage is released (0 bytes), as the store keeps every streamed main
+    between steps. Active only inside ``_build_model_and_main_param_groups``, where
+    that call is how each main is made (``shard_model_param.clone().float()``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float and not kwargs and args[0].dtype in (torch.bfloat16, torch.float16):
+            main = torch.empty(args[0].shape, dtype=torch.float32, device=args[0].device)
+            # Allocated and at once given back to the caching allocator: the next main
+            # reuses the block, so the build never holds more than one main.
+            main.untyped_storage().resize_(0)
+            return main
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def deferred_mains() -> Iterator[None]:
+    r"""Build ``DistributedOptimizer``\ s inside this without device memory for their
+    fp32 mains; :class:`MegatronBinding` (``setup_optimizer_state_streaming``) must
+    then stream every one of them before anything steps or saves them::
+
+        with deferred_mains():
+            optimizer = get_megatron_optimizer(config, model_chunks)
+        setup_optimizer_state_streaming(args, optimizer)
+
+    Megatron's ``_build_model_and_main_param_groups`` (pinned: the tripwire runs
+    first, so a drifted Megatron is refused before anything is built) makes each
+    main as ``shard_model_param.clone().float()``; inside this context that call
+    returns a storage-less fp32 tensor, and the binding later fills it with the
+    same exact fp32 value from the bf16 param, one bucket at a time. The class
+    attribute is wrapped only for the duration of the block, on this thread's
+    build, and put back on the way out whatever happens.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    check_upstream()
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+
+    def build(cls, *args, **kwargs):
+        with _MainsWithoutStorage():
+            return original.__func__(cls, *args, **kwargs)
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+    try:
+        yield
+    finally:
+        DistributedOptimizer._build_model_and_main_param_groups = original
+
+
+def _mains_deferred(entries: list[MegatronEntry]) -> bool:
+    """Whether the mains were built by :func:`deferred_mains` (all of them, or none)."""
+    deferred = [e.main.untyped_storage().nbytes() == 0 for e in entries if not e.resident and e.main.numel()]
+    if any(deferred) and not all(deferred):
+        raise StreamConfigError(
+            f"{sum(deferred)} of the {len(deferred)} fp32 mains of this DistributedOptimizer have no storage: "
+            "some were built under deferred_mains() and some not, or something released them; build the "
+            "whole optimizer inside one deferred_mains() block (or none)"
+        )
+    return any(deferred)
+
+
+def _main_from_param(param: torch.Tensor, main: torch.Tensor) -> None:
+    # The value Megatron's build gives a main (shard_model_param.clone().float()): exact.
+    main.copy_(param)
+
+
 class MegatronBinding:
     """The streamed state of one ``DistributedOptimizer`` and its instance bindings.
 
     Build it right after ``get_megatron_optimizer(...)``, before the first step
     and before ``load_checkpoint``. Construction checks the optimizer
     (:func:`check_supported`), writes every fp32 main to the store's files and
-    releases their device storage, then rebinds the optimizer's state entry
+    releases their device storage (mains built under :func:`deferred_mains` have
+    none: each is filled from its param as its bucket is written), then rebinds the optimizer's state entry
     points (see the module docstring). The binding is the store the checkpoint
     hooks call (``megatron_hooks.contract.OptimizerStateStore``), reachable as
     ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)``.
@@ -167,6 +245,7 @@ class MegatronBinding:
             backend_for(dist_opt.optimizer),
             config,
             copy_to_model=self._copy_main_to_param_buffer,
+            init_main=_main_from_param if _mains_deferred(self.entries) else None,
             topology=self._topology(),
             param_layout=param_layout(dist_opt, self.names),
             auto_gpu=auto_gpu,

@@ -2,14 +2,22 @@
 
 ::
 
-    optimizer = get_megatron_optimizer(config, model_chunks)
-    from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
+    from miles_plugins.optimizers.nvme_stream import build_without_mains, setup_optimizer_state_streaming
+
+    with build_without_mains(args):                      # optional: no fp32 mains on the device at build
+        optimizer = get_megatron_optimizer(config, model_chunks)
     setup_optimizer_state_streaming(args, optimizer)     # before load_checkpoint
+
+Without ``build_without_mains`` Megatron's build allocates every fp32 main on
+the device (4 bytes per param) before streaming takes them: the build then
+needs 10 bytes per param (bf16 params, fp32 grads, fp32 mains) against 6 once
+streaming runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from typing import Any
@@ -17,7 +25,7 @@ from typing import Any
 from miles_plugins.optimizers import scratch
 from miles_plugins.optimizers.args import STREAM_FLAG, config_from_args, validate_args
 from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.megatron import MegatronBinding, attach
+from miles_plugins.optimizers.megatron import MegatronBinding, attach, deferred_mains
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,15 @@ def _global_rank() -> int:
 # Distributed optimizers this process streams through setup_optimizer_state_streaming
 # (the launcher reads it: a script that calls it itself has streamed).
 streamed_optimizers = 0
+
+
+def build_without_mains(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    r"""Wrap the optimizer's build in this when ``args`` may stream: with
+    ``--stream-optimizer-state-to-disk`` on, the ``DistributedOptimizer``\ s built
+    inside get no device memory for their fp32 mains (``megatron.deferred_mains``),
+    and :func:`setup_optimizer_state_streaming` must then run on the result before
+    anything else uses it. With streaming off it changes nothing."""
+    return deferred_mains() if getattr(args, STREAM_FLAG, False) else contextlib.nullcontext()
 
 
 def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) -> list[MegatronBinding]:

@@ -24,6 +24,7 @@ GPU peak memory during the step, and every rank's streaming counters.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -52,10 +53,22 @@ def init_distributed(expert_parallel: int) -> None:
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
 
 
-def build(moe: bool, expert_parallel: int, warmup_steps: int = 3, decay_steps: int = 12):
+# What each build's get_megatron_optimizer added to the GPU memory allocated before it, at its peak.
+OPTIMIZER_BUILD_PEAKS: list[int] = []
+
+
+def build(
+    moe: bool,
+    expert_parallel: int,
+    warmup_steps: int = 3,
+    decay_steps: int = 12,
+    stream_args: argparse.Namespace | None = None,
+):
     """Model, DDP wrapper, optimizer and scheduler (LR warmup, then cosine decay),
     seeded identically every time, and the GPU bytes allocated before they were
-    built (what earlier runs left)."""
+    built (what earlier runs left). With ``stream_args`` the optimizer is built as
+    the launcher builds it for streaming (``build_without_mains``: no fp32 mains on
+    the device until the store fills them); stream it before using it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -113,7 +126,15 @@ def build(moe: bool, expert_parallel: int, warmup_steps: int = 3, decay_steps: i
         bf16=True,
         use_distributed_optimizer=True,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    from miles_plugins.optimizers.nvme_stream import build_without_mains
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with build_without_mains(stream_args) if stream_args is not None else contextlib.nullcontext():
+        optimizer = get_megatron_optimizer(opt_config, [ddp])
+    torch.cuda.synchronize()
+    OPTIMIZER_BUILD_PEAKS.append(torch.cuda.max_memory_allocated() - before)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -287,8 +308,9 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
     del ddp, opt, sched
     torch.cuda.empty_cache()
 
-    ddp, opt, sched, baseline = build(moe, expert_parallel)
-    bindings = setup_optimizer_state_streaming(flags(directory, "fp32"), opt)
+    args = flags(directory, "fp32")
+    ddp, opt, sched, baseline = build(moe, expert_parallel, stream_args=args)
+    bindings = setup_optimizer_state_streaming(args, opt)
     streamed = train(ddp, opt, sched, baseline, steps)
     streamed_opt = streamed_state(bindings)
     result = {
@@ -311,6 +333,9 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
         "step_device_bytes_bound": step_bound(bindings),
         "baselines": [resident["baseline"], control["baseline"], streamed["baseline"]],
         "state_bytes_total": sum(b.store.state_bytes_total for b in bindings),
+        # The first build is resident, the third the streamed one (built without mains).
+        "optimizer_build_peak_resident": OPTIMIZER_BUILD_PEAKS[0],
+        "optimizer_build_peak_streamed": OPTIMIZER_BUILD_PEAKS[2],
         "bucket_bytes_max": max(b.store.bucket_bytes_max for b in bindings),
         "accounted_max_state_bytes": max(b.store.accounted_max_state_bytes for b in bindings),
         "accounted_max_state_bytes_per_store": [b.store.accounted_max_state_bytes for b in bindings],
@@ -346,8 +371,9 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
     # Compact moments are storage formats: judged by how far the loss curve moves.
     result["compact_moments"] = {}
     for moment_dtype in ("bf16", "8bit"):
-        ddp, opt, sched, baseline = build(moe, expert_parallel)
-        bindings = setup_optimizer_state_streaming(flags(directory, moment_dtype), opt)
+        args = flags(directory, moment_dtype)
+        ddp, opt, sched, baseline = build(moe, expert_parallel, stream_args=args)
+        bindings = setup_optimizer_state_streaming(args, opt)
         compact = train(ddp, opt, sched, baseline, steps)
         result["compact_moments"][moment_dtype] = {
             "losses": compact["losses"],
@@ -366,8 +392,9 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
 
     result["variants"] = {}
     for name, extra in VARIANTS.items():
-        ddp, opt, sched, baseline = build(moe, expert_parallel)
-        bindings = setup_optimizer_state_streaming(flags(directory, "fp32", extra), opt)
+        args = flags(directory, "fp32", extra)
+        ddp, opt, sched, baseline = build(moe, expert_parallel, stream_args=args)
+        bindings = setup_optimizer_state_streaming(args, opt)
         variant = train(ddp, opt, sched, baseline, steps, reset_peaks=name != "auto_budgets")
         state = streamed_state(bindings)
         result["variants"][name] = {

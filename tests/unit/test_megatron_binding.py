@@ -12,6 +12,7 @@ arming then run unchanged. The GPU tier runs the same paths under a real DDP
 model and ``get_megatron_optimizer``.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E40
 from megatron.core.optimizer import OptimizerConfig  # noqa: E402
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range  # noqa: E402
 
+from megatron_hooks.checkpoint import HooksNotInstalledError  # noqa: E402
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR  # noqa: E402
 from miles_plugins.optimizers import (  # noqa: E402
     CheckpointMismatchError,
@@ -35,8 +37,15 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfig,
     StreamConfigError,
 )
+from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.auto_budget import AutoGpuBudget  # noqa: E402
-from miles_plugins.optimizers.megatron import STREAMED_STATE_KEY, MegatronBinding  # noqa: E402
+from miles_plugins.optimizers.io import DeviceBacking  # noqa: E402
+from miles_plugins.optimizers.megatron import (  # noqa: E402
+    STREAMED_STATE_KEY,
+    MegatronBinding,
+    _MainsWithoutStorage,
+    deferred_mains,
+)
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]
@@ -53,8 +62,9 @@ def process_groups(tmp_path_factory):
     torch.distributed.destroy_process_group()
 
 
-def dp1_distributed_optimizer(seed: int = 0):
-    """A real DistributedOptimizer over bf16 params that are views of one param buffer."""
+def dp1_distributed_optimizer(seed: int = 0, deferred: bool = False):
+    """A real DistributedOptimizer over bf16 params that are views of one param buffer;
+    ``deferred``: its mains made under the mode ``deferred_mains`` builds them with."""
     torch.manual_seed(seed)
     total = sum(torch.Size(s).numel() for s in SHAPES)
     buffer = torch.randn(total).to(torch.bfloat16)
@@ -74,7 +84,8 @@ def dp1_distributed_optimizer(seed: int = 0):
     opt.model_chunks = [torch.nn.ParameterList(params)]  # the model, as Megatron names its params
     bucket = types.SimpleNamespace(param_data=buffer, offset=0)
     opt.buffers = [types.SimpleNamespace(buckets=[bucket], param_index_map=world_index)]
-    mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
+    with _MainsWithoutStorage() if deferred else contextlib.nullcontext():
+        mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
     opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
     opt.shard_float16_groups = [[p.detach().view(-1) for p in params]]
     opt.model_fp32_groups, opt.shard_fp32_groups = [[]], [[]]
@@ -92,8 +103,8 @@ def grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(torch.Size(s).numel(), generator=g) for s in SHAPES]
 
 
-def bind(tmp_path, seed: int = 0, name: str = "rank0", **config):
-    opt, params = dp1_distributed_optimizer(seed)
+def bind(tmp_path, seed: int = 0, name: str = "rank0", deferred: bool = False, **config):
+    opt, params = dp1_distributed_optimizer(seed, deferred)
     binding = MegatronBinding(
         opt, StreamConfig(directory=str(tmp_path / "scratch"), name=name, bucket_cap_elements=3000, **config)
     )
@@ -115,13 +126,19 @@ def train(opt, binding, steps):
         opt.optimizer.step()  # the master's step is the streamed step
 
 
-@pytest.mark.parametrize("placement", ["disk", "gpu-host-disk"])
-def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path, placement):
+@pytest.mark.parametrize(
+    "placement, deferred",
+    [("disk", False), ("gpu-host-disk", False), ("gpu-host-disk", True)],
+    ids=["disk", "gpu-host-disk", "gpu-host-disk-deferred-mains"],
+)
+def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path, placement, deferred):
+    """Deferred: the mains had no storage when bound (``deferred_mains``); the binding
+    filled them from the bf16 params, to the values Megatron's build gives them."""
     budgets = {}
     if placement != "disk":
         sizes = bucket_sizes(tmp_path)
         budgets = {"gpu_budget_bytes": sizes[-1], "host_budget_bytes": sizes[-2]}
-    opt, params, binding = bind(tmp_path, **budgets)
+    opt, params, binding = bind(tmp_path, deferred=deferred, **budgets)
     assert getattr(opt, STORE_ATTR) is binding and len(binding.store.buckets) >= 3
     if budgets:
         assert binding.store.placement == {"gpu": 1, "host": 1, "disk": len(binding.store.buckets) - 2}
@@ -142,6 +159,57 @@ def test_steps_through_the_binding_match_plain_adam_on_the_mains(tmp_path, place
             and same_bytes(exp_avg_sq, state["exp_avg_sq"])
         )
     binding.store.close()
+
+
+def test_the_gpu_home_is_allocated_only_after_the_mains_before_it_gave_their_memory_back(tmp_path, monkeypatch):
+    """Megatron's build left every main on the device: a gpu home allocated at setup on top
+    of them ran out of memory at 13B. Each gpu bucket's buffer is allocated as the store
+    writes it, once the buckets before it have released their mains."""
+    sizes = bucket_sizes(tmp_path)
+    opt, _ = dp1_distributed_optimizer()
+    mains = opt.shard_fp32_from_float16_groups[0]  # the binding's entries, in order
+    layout = []
+    held_at_allocation = []
+    add, make_layout = DeviceBacking.add, store_module._layout
+
+    def observed_add(self, bucket):  # the real allocation, observed
+        before = [i for b in layout if b.index < bucket.index for i in b.entry_indices]
+        held_at_allocation.append(sum(mains[i].untyped_storage().nbytes() for i in before))
+        return add(self, bucket)
+
+    def observed_layout(*args, **kwargs):
+        layout.extend(make_layout(*args, **kwargs))
+        return layout
+
+    monkeypatch.setattr(DeviceBacking, "add", observed_add)
+    monkeypatch.setattr(store_module, "_layout", observed_layout)
+    binding = MegatronBinding(
+        opt,
+        StreamConfig(
+            directory=str(tmp_path / "scratch"),
+            bucket_cap_elements=3000,
+            gpu_budget_bytes=sizes[-1] + sizes[-2],
+            buckets_in_flight=1,  # with more, the buckets just before it may still be writing (in flight)
+        ),
+    )
+    assert binding.store.placement["gpu"] == 2
+    assert held_at_allocation == [0, 0], "a gpu bucket was allocated while earlier buckets' mains held memory"
+    binding.store.close()
+
+
+def test_deferred_mains_checks_upstream_first_and_leaves_the_class_as_it_was():
+    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    with pytest.raises(HooksNotInstalledError):  # this venv's megatron-core has no patched training tree
+        with deferred_mains():
+            pass
+    assert DistributedOptimizer.__dict__["_build_model_and_main_param_groups"] is original
+
+
+def test_mains_partly_without_storage_are_refused(tmp_path):
+    opt, _ = dp1_distributed_optimizer()
+    opt.shard_fp32_from_float16_groups[0][1].untyped_storage().resize_(0)
+    with pytest.raises(StreamConfigError, match="1 of the 5 fp32 mains"):
+        MegatronBinding(opt, StreamConfig(directory=str(tmp_path / "scratch"), bucket_cap_elements=3000))
 
 
 def test_a_checkpoint_records_which_elements_of_which_param_each_entry_holds(tmp_path):

@@ -163,7 +163,7 @@ def test_the_device_home_saves_and_loads_through_a_staging_buffer_smaller_than_a
     sizes = 10_000
     bucket = _bucket(0, sizes)
     source = DeviceBacking([bucket], torch.device("cpu"))
-    source.buffers[0].copy_(torch.randint(0, 256, (sizes,), dtype=torch.uint8))
+    source.open(bucket).buffer.copy_(torch.randint(0, 256, (sizes,), dtype=torch.uint8))
     staging = HostMemory(4096, pin=False)
     path = tmp_path / "bucket.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
