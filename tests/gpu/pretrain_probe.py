@@ -6,9 +6,18 @@
 Wraps ``megatron.training.training.train_step`` (test instrumentation, not part
 of the launcher): after each step, rank 0 appends one JSON line to
 ``$PRETRAIN_PROBE_OUT`` with the iteration's reduced losses (``float.hex``,
-exact) and a SHA-256 of every model param's bytes. Then it runs
-``miles_plugins.launch`` on the arguments, so the same harness serves the
-resident run (no streaming flag) and the streamed one.
+exact), a SHA-256 of every model param's bytes (unless ``PRETRAIN_PROBE_HASH=0``:
+hashing 15 GB of params takes seconds), the iteration's and the optimizer step's
+seconds, and, where streaming is on, what the step added to the device memory
+allocated before it against the stores' ``step_device_bytes_bound``, and where
+the state lives. Then it runs ``miles_plugins.launch`` on the arguments, so the
+same harness serves the resident run (no streaming flag) and the streamed one.
+
+The step's own peak is measured from a run's third iteration on: the peak statistics
+are reset right before the step, and read again wherever something else (an auto
+GPU budget, at the end of its step) resets them. Not earlier: an auto GPU budget
+learns the forward/backward peak from the first iterations' statistics (later it
+keeps the largest need seen, so a reset before the step no longer changes it).
 """
 
 from __future__ import annotations
@@ -17,8 +26,12 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
+
+# The iteration of a run (1-based) from which the optimizer step's own peak is measured.
+STEP_PEAKS_FROM = 3
 
 
 def _params_hash(model) -> str:
@@ -29,17 +42,94 @@ def _params_hash(model) -> str:
     return digest.hexdigest()
 
 
+class _StepProbe:
+    """Times the optimizer's step and measures its own device peak (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.measure = False
+        self.seconds = 0.0
+        self.added: int | None = None
+        self._before = 0
+        self._peak_at_reset = 0
+        reset = torch.cuda.reset_peak_memory_stats
+
+        def reset_peak_memory_stats(*args, **kwargs):
+            # Something resets the statistics inside the step (an auto GPU budget): keep its peak.
+            self._peak_at_reset = max(self._peak_at_reset, torch.cuda.max_memory_allocated())
+            return reset(*args, **kwargs)
+
+        torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+        self._reset = reset
+
+    def wrap(self, optimizer) -> None:
+        if getattr(optimizer, "_probe_wrapped", False):
+            return
+        step = optimizer.step
+
+        def probed_step(*args, **kwargs):
+            if self.measure:
+                torch.cuda.synchronize()
+                self._before = torch.cuda.memory_allocated()
+                self._reset()
+                self._peak_at_reset = 0
+            start = time.perf_counter()
+            result = step(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.seconds = time.perf_counter() - start
+            if self.measure:
+                self.added = max(self._peak_at_reset, torch.cuda.max_memory_allocated()) - self._before
+            return result
+
+        optimizer.step = probed_step
+        optimizer._probe_wrapped = True
+
+
+def _stores(optimizer) -> list:
+    from megatron_hooks.contract import STORE_ATTR
+
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(member, STORE_ATTR).store for member in chain if hasattr(member, STORE_ATTR)]
+
+
 def _record_each_step(training, out: str) -> None:
     original = training.train_step
+    hashing = os.environ.get("PRETRAIN_PROBE_HASH", "1") != "0"
+    probe = _StepProbe()
 
-    def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
-        result = original(forward_step_func, data_iterator, model, *args, **kwargs)
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        probe.wrap(optimizer)
+        iteration = kwargs.get("iteration")
+        probe.calls += 1  # this run's iterations: a resumed run's auto budget learns afresh
+        probe.measure = probe.calls >= STEP_PEAKS_FROM
+        probe.added = None
+        start = time.perf_counter()
+        result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            stores = _stores(optimizer)
             record = {
-                "iteration": kwargs.get("iteration"),
+                "iteration": iteration,
                 "losses": {k: float(v).hex() for k, v in result[0].items()},
-                "params": _params_hash(model),
+                "params": _params_hash(model) if hashing else None,
+                "seconds": seconds,
+                "step_seconds": probe.seconds,
+                "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "device_total_bytes": torch.cuda.mem_get_info()[1],
             }
+            if stores:
+                record.update(
+                    step_added_bytes=probe.added,
+                    step_device_bytes_bound=sum(s.step_device_bytes_bound for s in stores),
+                    placement={h: sum(s.placement[h] for s in stores) for h in ("gpu", "host", "disk")},
+                    home_bytes={h: sum(s.home_bytes[h] for s in stores) for h in ("gpu", "host", "disk")},
+                    stored_bytes=sum(s.file_bytes_total for s in stores),
+                    step_bytes_moved={
+                        "read": sum(s.last_step.bytes_read for s in stores),
+                        "written": sum(s.last_step.bytes_written for s in stores),
+                    },
+                )
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return result
