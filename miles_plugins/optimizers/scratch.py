@@ -17,7 +17,12 @@ epilog can run::
     python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]   (DIR/optimizer_state too)
 
 It removes only scratch whose lock no process holds, owned by the caller,
-never following symlinks, and says what it removed. No torch is imported.
+never following symlinks, and says what it removed. Neither purge deletes a
+directory holding a save's ``manifest.json`` (a checkpoint saved where the
+scratch belongs): they leave it and say so. No torch is imported.
+
+The live scratch directories of this process are known (:func:`live_scratch_overlap`):
+a checkpoint save or load aimed at one is refused (``persistence.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import threading
 
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.fs import (
+    MANIFEST_NAME,
     check_plain_dir,
     filesystem_type,
     format_bytes,
@@ -94,8 +100,11 @@ class ScratchDir:
         except BaseException:
             self._unlock()
             raise
+        # Compared with checkpoint targets, which are compared as real paths too.
+        self.real_path = os.path.realpath(self.path)
         atexit.register(self.remove)
-        _live.add(self)
+        with _live_lock:
+            _live.add(self)
         _install_sigterm_cleanup()
 
     def _preflight(self, needed_bytes: int) -> None:
@@ -131,6 +140,12 @@ class ScratchDir:
         if not os.path.lexists(self.path):
             return
         check_plain_dir(self.path)
+        if holds_a_save(self.path):
+            raise StreamConfigError(
+                f"{self.path} holds a save ({MANIFEST_NAME}), not scratch: a checkpoint was saved into the state "
+                f"directory {self.directory} under this store's name; left as it is. Move it out of "
+                f"{self.directory} (load it from its new parent directory) or delete it, then start again"
+            )
         logger.info("purging stale optimizer-state scratch %s", self.path)
         remove_private_dir(self.path)
 
@@ -140,7 +155,8 @@ class ScratchDir:
         if self._lock_fd is None or os.getpid() != self._owner_pid:
             return
         atexit.unregister(self.remove)
-        _live.discard(self)
+        with _live_lock:
+            _live.discard(self)
         try:
             remove_private_dir(self.path)
         except (FileNotFoundError, StreamIOError):
@@ -161,8 +177,39 @@ _LOCK_WAIT_S = 5.0
 
 # ---- SIGTERM -----------------------------------------------------------------------
 
-# The scratch directories of this process not yet removed.
+# The scratch directories of this process not yet removed. Stores are made and closed
+# from any thread; reentrant, as the SIGTERM handler may run while the main thread holds it.
 _live: set[ScratchDir] = set()
+_live_lock = threading.RLock()
+
+
+def live_scratch_overlap(path: str) -> str | None:
+    """How ``path`` meets the scratch directory of a live store of this process
+    (one not yet removed), e.g. ``"is the scratch directory /nvme/state/rank0"``
+    (or ``holds``, ``lies inside``), comparing real paths; None when it meets none."""
+    real = os.path.realpath(path)
+    with _live_lock:
+        scratches = sorted(scratch.real_path for scratch in _live)
+    for scratch in scratches:
+        if real == scratch:
+            return f"is the scratch directory {scratch}"
+        if os.path.commonpath([real, scratch]) == real:
+            return f"holds the scratch directory {scratch}"
+        if os.path.commonpath([real, scratch]) == scratch:
+            return f"lies inside the scratch directory {scratch}"
+    return None
+
+
+def holds_a_save(path: str) -> bool:
+    """Whether ``path`` is a plain directory holding a save's manifest: a checkpoint,
+    not scratch, whatever its name (a save aimed at the state directory puts it there)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+    return is_dir and os.path.lexists(os.path.join(path, MANIFEST_NAME))
+
+
 # The SIGTERM handler found when ours was installed (what it chains to).
 _previous_handler: object = None
 _installed = False
@@ -173,8 +220,11 @@ _installer_pid: int | None = None
 def _forget_in_child() -> None:
     """After fork, in the child: the scratch and its lock are the parent's. Closing
     the inherited lock fd keeps a long-lived child (an async-save worker) from
-    holding the lock past its parent's death, which would refuse the restart."""
-    for scratch in list(_live):
+    holding the lock past its parent's death, which would refuse the restart. The
+    set's lock is made anew: a thread of the parent may have held it at the fork."""
+    global _live_lock
+    _live_lock = threading.RLock()
+    for scratch in _live:
         if scratch._lock_fd is not None:
             os.close(scratch._lock_fd)
             scratch._lock_fd = None
@@ -219,7 +269,9 @@ def _on_sigterm(signum: int, frame) -> None:
         _previous_handler(signum, frame)
         return
     # In a forked child (an async-save worker, say) the scratch is the parent's: keep it.
-    for scratch in list(_live) if os.getpid() == _installer_pid else ():
+    with _live_lock:
+        scratches = list(_live) if os.getpid() == _installer_pid else []
+    for scratch in scratches:
         try:
             scratch.remove()
         except Exception:  # noqa: BLE001 - dying anyway; leave the rest to the purge
@@ -269,6 +321,9 @@ def purge(directory: str, prefix: str = "") -> tuple[list[str], list[str]]:
                 continue
             if not is_current_file(fd, lock):
                 skipped.append(f"{path}: its lock file was replaced while purging (a run started); left alone")
+                continue
+            if holds_a_save(path):
+                skipped.append(f"{path}: holds a save ({MANIFEST_NAME}), not scratch; left alone, with its lock file")
                 continue
             what = _remove_stale(path)
             if what is None:

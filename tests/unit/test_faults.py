@@ -21,14 +21,20 @@ import time
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.rollback import StepRollback
+from miles_plugins.optimizers.scratch import LOCK_MARKER, purge
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
 from tests.unit.test_bad_input import REPO
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, save_run, state_of, train
+
+
+def _contents(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
 
 pytestmark = pytest.mark.fault
 
@@ -323,6 +329,69 @@ def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
         "load refuses, saying what is wrong",
         str(info.value).splitlines()[0],
         "none (the load refuses; the files are untouched)",
+    )
+
+
+def test_a_save_or_load_aimed_at_a_live_scratch_is_refused_and_the_run_goes_on(tmp_path, fault_report):
+    """``save_to(d)`` writes ``d/<name>``: where that is, holds or lies in the scratch of
+    a live store of this process, the save would swap the live state out, and
+    closing that store would then delete the save. Refused, before anything is written."""
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    scratch = tmp_path / "scratch" / "rank0"  # the live scratch: StreamConfig.directory / name
+    # Another live store of the process, whose scratch nest/rank0/rank0 a save to nest/ would hold.
+    other = fresh(tmp_path, "rank0", directory=str(tmp_path / "nest" / "rank0"))[3]
+    (tmp_path / "link").symlink_to(tmp_path / "scratch")
+    targets = {
+        tmp_path / "scratch": "is the scratch directory",
+        tmp_path / "link": "is the scratch directory",  # real paths are compared
+        scratch: "lies inside the scratch directory",
+        tmp_path / "nest": "holds the scratch directory",
+    }
+    live = _contents(scratch), _contents(tmp_path / "nest" / "rank0" / "rank0")
+    refusals = []
+    for target, relation in targets.items():
+        for call in (streamed.save_to, streamed.load_from):
+            with pytest.raises(StreamConfigError, match=f"{relation} .* of a live optimizer-state store") as info:
+                call(str(target))
+            refusals.append(str(info.value))
+    assert (_contents(scratch), _contents(tmp_path / "nest" / "rank0" / "rank0")) == live
+    assert not (tmp_path / "scratch" / ".rank0.partial").exists() and not (scratch / "rank0").exists()
+    other.close()
+    _retry_and_finish(model, optimizer, scheduler, streamed)
+    streamed.close()
+    fault_report(
+        "save_to / load_from aimed at a live scratch (the store's own directory, or any live store's)",
+        "refused before writing, naming the scratch; the run goes on",
+        refusals[0],
+        "none (the live state is untouched; the run finishes byte-identical)",
+    )
+
+
+def test_a_save_found_where_the_scratch_belongs_survives_the_restart_purge(tmp_path, fault_report):
+    """What a killed run left when a save could still land on its scratch: the
+    checkpoint sits at ``<directory>/<name>``, beside a stale lock. Neither the
+    restart's purge nor the purge command deletes it; the restart says where it
+    is, and once moved out it loads."""
+    ckpt = tmp_path / "ckpt"
+    streamed = save_run(tmp_path, ckpt)[3]
+    streamed.close()
+    found = tmp_path / "scratch" / "rank0"
+    os.rename(ckpt / "rank0", found)
+    (tmp_path / "scratch" / ".rank0.lock").write_bytes(LOCK_MARKER)  # no process holds it: stale
+    saved = _contents(found)
+    removed, skipped = purge(str(tmp_path / "scratch"))  # a job epilog's
+    assert removed == [] and [f"{found}: holds a save" in line for line in skipped] == [True]
+    assert _contents(found) == saved
+    with pytest.raises(StreamConfigError, match=f"{found} holds a save .*{MANIFEST_NAME}.* left as it is") as info:
+        fresh(tmp_path, "rank0")
+    assert _contents(found) == saved
+    os.rename(found, ckpt / "rank0")
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        "a checkpoint found where the scratch belongs (saved there by an older version)",
+        "the restart's purge and the purge command leave it, saying so; moved out, it loads",
+        str(info.value),
+        "none",
     )
 
 
