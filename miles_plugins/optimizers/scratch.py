@@ -67,15 +67,20 @@ STATE_SUBDIR = "optimizer_state"
 
 
 class ScratchDir:
-    """This process's private, locked scratch subdirectory.
+    """This process's private, locked scratch subdirectory, made in two steps.
 
-    Construction checks before writing anything (directory creatable and
-    writable, ``needed_bytes`` free), then takes the lock, purges what a previous
-    run of the same name left, and creates the subdirectory. ``remove()`` (also
-    run at interpreter exit and on SIGTERM) deletes it and releases the lock.
+    Construction checks that the directory is creatable and writable, creates
+    it, takes the lock and purges what a previous run of the same name left.
+    :meth:`create` then checks that ``needed_bytes`` are free and creates the
+    subdirectory: free space is measured only once the stale scratch is gone, so
+    a restart after a kill has the room its killed run held (the caller may
+    measure in between too, as ``Placement`` does to deal buckets over
+    directories). ``remove()`` (also run at interpreter exit and on SIGTERM)
+    deletes the subdirectory and releases the lock; a caller whose
+    :meth:`create` failed calls it (the state directory itself stays, empty).
     """
 
-    def __init__(self, directory: str, name: str, needed_bytes: int) -> None:
+    def __init__(self, directory: str, name: str) -> None:
         self.directory = os.path.abspath(directory)
         self.path = os.path.join(self.directory, name)
         self._lock_path = _lock_path(self.directory, name)
@@ -83,7 +88,7 @@ class ScratchDir:
         # A forked child inherits this object, the atexit hook and the SIGTERM
         # handler: only the process that made the scratch may remove it.
         self._owner_pid = os.getpid()
-        self._preflight(needed_bytes)
+        self._preflight()
         make_dirs(self.directory)
         fs_type = filesystem_type(self.directory)
         if fs_type in RAM_FILESYSTEMS:
@@ -96,7 +101,6 @@ class ScratchDir:
         self._lock()
         try:
             self._purge()
-            make_private_dir(self.path)
         except BaseException:
             self._unlock()
             raise
@@ -107,7 +111,12 @@ class ScratchDir:
             _live.add(self)
         _install_sigterm_cleanup()
 
-    def _preflight(self, needed_bytes: int) -> None:
+    def create(self, needed_bytes: int) -> None:
+        """Create the subdirectory, once ``needed_bytes`` are free where it goes."""
+        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
+        make_private_dir(self.path)
+
+    def _preflight(self) -> None:
         existing = nearest_existing(self.directory)
         if not os.path.isdir(existing):
             raise StreamConfigError(
@@ -117,7 +126,6 @@ class ScratchDir:
             raise StreamConfigError(
                 f"state directory {self.directory} is not writable: no write permission on {existing}"
             )
-        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
 
     def _lock(self) -> None:
         fd = lock_file(self._lock_path, _LOCK_WAIT_S)
