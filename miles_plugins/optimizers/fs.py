@@ -32,6 +32,10 @@ from miles_plugins.optimizers.errors import StreamIOError
 
 logger = logging.getLogger(__name__)
 
+# The file a complete save holds (written last, see ``manifest.py``). Named here, where
+# no torch is imported, so that the scratch purge can tell a save from scratch.
+MANIFEST_NAME = "manifest.json"
+
 # Every open: never through a symlink (a planted link would redirect our writes),
 # never inherited by a child process.
 _SAFE_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC

@@ -30,7 +30,7 @@ from typing import Any
 
 from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.fs import fsync, open_file
+from miles_plugins.optimizers.fs import MANIFEST_NAME, fsync, open_file  # MANIFEST_NAME: imported from here too
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_KEY = "manifest_crc32"
 # A multiple of the direct-I/O alignment, so a block-aligned partial read can be direct.
 CRC_BLOCK_BYTES = 4 << 20
-MANIFEST_NAME = "manifest.json"
 RESIDENT_FILE = "resident.bin"
 
 

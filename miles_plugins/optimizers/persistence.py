@@ -39,7 +39,7 @@ import torch
 
 from miles_plugins.optimizers.adam import BucketOptimizer
 from miles_plugins.optimizers.codec import Codec
-from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.fs import (
     check_plain_dir,
     create_file,
@@ -57,6 +57,7 @@ from miles_plugins.optimizers.io import BlockCrc, HostMemory, copy_file_crc32, p
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
 from miles_plugins.optimizers.reshard_load import ReshardedLoad, can_reshard_from, find_peers
+from miles_plugins.optimizers.scratch import live_scratch_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,17 @@ class Persistence:
 
     def save(self, base_dir: str, steps_taken: int) -> None:
         """Save the full state under ``base_dir/<name>``, replacing any previous save
-        in one step (see the module docstring). Checks first that ``base_dir``
-        has room for the whole save; a failure leaves the previous save as it was."""
+        in one step (see the module docstring). Checks first that ``base_dir/<name>``
+        is clear of every live scratch (:func:`_refuse_live_scratch`) and that
+        ``base_dir`` has room for the whole save; a failure leaves the previous
+        save as it was."""
         start = time.perf_counter()
         final = os.path.join(base_dir, self.name)
+        _refuse_live_scratch(
+            final,
+            "save the optimizer state to",
+            "the save would replace its live state, and closing it would delete the save",
+        )
         partial = os.path.join(base_dir, f".{self.name}.partial")
         make_dirs(base_dir)
         remove_private_dir(partial)  # left by a save that was interrupted
@@ -181,7 +189,13 @@ class Persistence:
         (every problem found, at once) for a state that does not fit, or whose
         step count is not ``expected_steps``, before anything live changed.
         ``mark_damaged(reason)`` is called when a failure comes after the live
-        state began to change."""
+        state began to change. ``base_dir/<name>`` must be clear of every live
+        scratch (:func:`_refuse_live_scratch`)."""
+        _refuse_live_scratch(
+            os.path.join(base_dir, self.name),
+            "load the optimizer state from",
+            "it holds that store's live state, not a save",
+        )
         source = self._source(base_dir)
         manifest = Manifest.read(source) if source is not None else None
         if manifest is None or (
@@ -423,6 +437,21 @@ class Persistence:
                 torch.frombuffer(bytearray(data[offset : offset + n]), dtype=torch.uint8)
             )
             offset += n
+
+
+def _refuse_live_scratch(path: str, what: str, consequence: str) -> None:
+    """Refuse a save or load at ``path`` (a checkpoint's ``base_dir/<name>``) that is,
+    holds or lies inside the scratch of a live store of this process, any store's:
+    e.g. ``save_to(d)`` with ``d`` the store's own ``StreamConfig.directory``. A save
+    there would swap the live bucket files out (the next step fails), and closing
+    the store, or a restart's purge, would delete the save."""
+    overlap = live_scratch_overlap(path)
+    if overlap is not None:
+        raise StreamConfigError(
+            f"cannot {what} {path}: it {overlap} of a live optimizer-state store of this process ({consequence}); "
+            "give save_to / load_from a checkpoint directory apart from every StreamConfig.directory (e.g. the "
+            "training checkpoint's own directory)"
+        )
 
 
 def _check_crc(path: str, crc: BlockCrc, manifest: Manifest, name: str) -> None:

@@ -36,7 +36,6 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from miles_plugins.optimizers.config import HOMES, StreamConfig
-from miles_plugins.optimizers.fs import nearest_existing
 from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.scratch import ScratchDir
@@ -91,20 +90,23 @@ class Placement:
     state directory (:func:`spread_over_directories`), and each directory's
     scratch. On the disk tier every directory gets a scratch, used or not: its
     lock keeps another process of the name out, and what a killed run left there
-    is purged. Each scratch checks its free space before anything is written; a
-    failure part way removes those made. :meth:`remove` removes them all."""
+    is purged. Free space is measured once every directory's scratch is locked and
+    its stale files purged (what a killed run of this name left is room for this
+    one); each scratch checks its own before its files are made. A failure part
+    way removes those made. :meth:`remove` removes them all."""
 
     def __init__(self, buckets: Sequence[BucketLayout], config: StreamConfig) -> None:
         self.buckets = list(buckets)
         self.homes, self.budgets_left = assign_homes(buckets, config)
         directories = config.directories if config.tier == "disk" else ()
-        free = [shutil.disk_usage(nearest_existing(d)).free for d in directories]
-        self.directory_of = spread_over_directories(buckets, self.homes, free)
         self.scratches: list[ScratchDir] = []  # one per directory, by index
         try:
-            for i, directory in enumerate(directories):
-                mine = [b for b in buckets if self.directory_of[b.index] == i]
-                self.scratches.append(ScratchDir(directory, config.name, FileBacking.bytes_needed(mine)))
+            for directory in directories:
+                self.scratches.append(ScratchDir(directory, config.name))  # locked, stale scratch purged
+            free = [shutil.disk_usage(scratch.directory).free for scratch in self.scratches]
+            self.directory_of = spread_over_directories(buckets, self.homes, free)
+            for i, scratch in enumerate(self.scratches):
+                scratch.create(FileBacking.bytes_needed([b for b in buckets if self.directory_of[b.index] == i]))
         except BaseException:
             self.remove()
             raise

@@ -17,7 +17,12 @@ epilog can run::
     python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]   (DIR/optimizer_state too)
 
 It removes only scratch whose lock no process holds, owned by the caller,
-never following symlinks, and says what it removed. No torch is imported.
+never following symlinks, and says what it removed. Neither purge deletes a
+directory holding a save's ``manifest.json`` (a checkpoint saved where the
+scratch belongs): they leave it and say so. No torch is imported.
+
+The live scratch directories of this process are known (:func:`live_scratch_overlap`):
+a checkpoint save or load aimed at one is refused (``persistence.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import threading
 
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.fs import (
+    MANIFEST_NAME,
     check_plain_dir,
     filesystem_type,
     format_bytes,
@@ -61,15 +67,20 @@ STATE_SUBDIR = "optimizer_state"
 
 
 class ScratchDir:
-    """This process's private, locked scratch subdirectory.
+    """This process's private, locked scratch subdirectory, made in two steps.
 
-    Construction checks before writing anything (directory creatable and
-    writable, ``needed_bytes`` free), then takes the lock, purges what a previous
-    run of the same name left, and creates the subdirectory. ``remove()`` (also
-    run at interpreter exit and on SIGTERM) deletes it and releases the lock.
+    Construction checks that the directory is creatable and writable, creates
+    it, takes the lock and purges what a previous run of the same name left.
+    :meth:`create` then checks that ``needed_bytes`` are free and creates the
+    subdirectory: free space is measured only once the stale scratch is gone, so
+    a restart after a kill has the room its killed run held (the caller may
+    measure in between too, as ``Placement`` does to deal buckets over
+    directories). ``remove()`` (also run at interpreter exit and on SIGTERM)
+    deletes the subdirectory and releases the lock; a caller whose
+    :meth:`create` failed calls it (the state directory itself stays, empty).
     """
 
-    def __init__(self, directory: str, name: str, needed_bytes: int) -> None:
+    def __init__(self, directory: str, name: str) -> None:
         self.directory = os.path.abspath(directory)
         self.path = os.path.join(self.directory, name)
         self._lock_path = _lock_path(self.directory, name)
@@ -77,7 +88,7 @@ class ScratchDir:
         # A forked child inherits this object, the atexit hook and the SIGTERM
         # handler: only the process that made the scratch may remove it.
         self._owner_pid = os.getpid()
-        self._preflight(needed_bytes)
+        self._preflight()
         make_dirs(self.directory)
         fs_type = filesystem_type(self.directory)
         if fs_type in RAM_FILESYSTEMS:
@@ -90,15 +101,22 @@ class ScratchDir:
         self._lock()
         try:
             self._purge()
-            make_private_dir(self.path)
         except BaseException:
             self._unlock()
             raise
+        # Compared with checkpoint targets, which are compared as real paths too.
+        self.real_path = os.path.realpath(self.path)
         atexit.register(self.remove)
-        _live.add(self)
+        with _live_lock:
+            _live.add(self)
         _install_sigterm_cleanup()
 
-    def _preflight(self, needed_bytes: int) -> None:
+    def create(self, needed_bytes: int) -> None:
+        """Create the subdirectory, once ``needed_bytes`` are free where it goes."""
+        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
+        make_private_dir(self.path)
+
+    def _preflight(self) -> None:
         existing = nearest_existing(self.directory)
         if not os.path.isdir(existing):
             raise StreamConfigError(
@@ -108,7 +126,6 @@ class ScratchDir:
             raise StreamConfigError(
                 f"state directory {self.directory} is not writable: no write permission on {existing}"
             )
-        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
 
     def _lock(self) -> None:
         fd = lock_file(self._lock_path, _LOCK_WAIT_S)
@@ -131,6 +148,12 @@ class ScratchDir:
         if not os.path.lexists(self.path):
             return
         check_plain_dir(self.path)
+        if holds_a_save(self.path):
+            raise StreamConfigError(
+                f"{self.path} holds a save ({MANIFEST_NAME}), not scratch: a checkpoint was saved into the state "
+                f"directory {self.directory} under this store's name; left as it is. Move it out of "
+                f"{self.directory} (load it from its new parent directory) or delete it, then start again"
+            )
         logger.info("purging stale optimizer-state scratch %s", self.path)
         remove_private_dir(self.path)
 
@@ -140,7 +163,8 @@ class ScratchDir:
         if self._lock_fd is None or os.getpid() != self._owner_pid:
             return
         atexit.unregister(self.remove)
-        _live.discard(self)
+        with _live_lock:
+            _live.discard(self)
         try:
             remove_private_dir(self.path)
         except (FileNotFoundError, StreamIOError):
@@ -161,8 +185,39 @@ _LOCK_WAIT_S = 5.0
 
 # ---- SIGTERM -----------------------------------------------------------------------
 
-# The scratch directories of this process not yet removed.
+# The scratch directories of this process not yet removed. Stores are made and closed
+# from any thread; reentrant, as the SIGTERM handler may run while the main thread holds it.
 _live: set[ScratchDir] = set()
+_live_lock = threading.RLock()
+
+
+def live_scratch_overlap(path: str) -> str | None:
+    """How ``path`` meets the scratch directory of a live store of this process
+    (one not yet removed), e.g. ``"is the scratch directory /nvme/state/rank0"``
+    (or ``holds``, ``lies inside``), comparing real paths; None when it meets none."""
+    real = os.path.realpath(path)
+    with _live_lock:
+        scratches = sorted(scratch.real_path for scratch in _live)
+    for scratch in scratches:
+        if real == scratch:
+            return f"is the scratch directory {scratch}"
+        if os.path.commonpath([real, scratch]) == real:
+            return f"holds the scratch directory {scratch}"
+        if os.path.commonpath([real, scratch]) == scratch:
+            return f"lies inside the scratch directory {scratch}"
+    return None
+
+
+def holds_a_save(path: str) -> bool:
+    """Whether ``path`` is a plain directory holding a save's manifest: a checkpoint,
+    not scratch, whatever its name (a save aimed at the state directory puts it there)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+    return is_dir and os.path.lexists(os.path.join(path, MANIFEST_NAME))
+
+
 # The SIGTERM handler found when ours was installed (what it chains to).
 _previous_handler: object = None
 _installed = False
@@ -173,8 +228,11 @@ _installer_pid: int | None = None
 def _forget_in_child() -> None:
     """After fork, in the child: the scratch and its lock are the parent's. Closing
     the inherited lock fd keeps a long-lived child (an async-save worker) from
-    holding the lock past its parent's death, which would refuse the restart."""
-    for scratch in list(_live):
+    holding the lock past its parent's death, which would refuse the restart. The
+    set's lock is made anew: a thread of the parent may have held it at the fork."""
+    global _live_lock
+    _live_lock = threading.RLock()
+    for scratch in _live:
         if scratch._lock_fd is not None:
             os.close(scratch._lock_fd)
             scratch._lock_fd = None
@@ -219,7 +277,9 @@ def _on_sigterm(signum: int, frame) -> None:
         _previous_handler(signum, frame)
         return
     # In a forked child (an async-save worker, say) the scratch is the parent's: keep it.
-    for scratch in list(_live) if os.getpid() == _installer_pid else ():
+    with _live_lock:
+        scratches = list(_live) if os.getpid() == _installer_pid else []
+    for scratch in scratches:
         try:
             scratch.remove()
         except Exception:  # noqa: BLE001 - dying anyway; leave the rest to the purge
@@ -269,6 +329,9 @@ def purge(directory: str, prefix: str = "") -> tuple[list[str], list[str]]:
                 continue
             if not is_current_file(fd, lock):
                 skipped.append(f"{path}: its lock file was replaced while purging (a run started); left alone")
+                continue
+            if holds_a_save(path):
+                skipped.append(f"{path}: holds a save ({MANIFEST_NAME}), not scratch; left alone, with its lock file")
                 continue
             what = _remove_stale(path)
             if what is None:

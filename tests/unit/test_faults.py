@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,14 +22,20 @@ import time
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.rollback import StepRollback
+from miles_plugins.optimizers.scratch import LOCK_MARKER, purge
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
 from tests.unit.test_bad_input import REPO
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, save_run, state_of, train
+
+
+def _contents(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
 
 pytestmark = pytest.mark.fault
 
@@ -251,7 +258,8 @@ def test_a_full_disk_at_startup_is_refused_before_or_while_reserving(tmp_path, f
     huge = torch.nn.Parameter(torch.empty(1 << 50, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(StreamIOError, match=r"not enough free space .* needs .* free") as preflight:
         StreamedOptimizer(torch.optim.AdamW([huge]), StreamConfig(directory=str(tmp_path / "big")))
-    assert not (tmp_path / "big").exists()
+    # Measured once the lock is taken and any stale scratch purged: the state directory stays, empty.
+    assert os.listdir(tmp_path / "big") == []
     fault_report(
         "full disk at startup",
         "the free-space preflight refuses before writing; a reservation that fails anyway removes everything",
@@ -323,6 +331,158 @@ def test_a_manifest_from_another_save_is_refused(tmp_path, fault_report):
         "load refuses, saying what is wrong",
         str(info.value).splitlines()[0],
         "none (the load refuses; the files are untouched)",
+    )
+
+
+def test_a_save_or_load_aimed_at_a_live_scratch_is_refused_and_the_run_goes_on(tmp_path, fault_report):
+    """``save_to(d)`` writes ``d/<name>``: where that is, holds or lies in the scratch of
+    a live store of this process, the save would swap the live state out, and
+    closing that store would then delete the save. Refused, before anything is written."""
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    scratch = tmp_path / "scratch" / "rank0"  # the live scratch: StreamConfig.directory / name
+    # Another live store of the process, whose scratch nest/rank0/rank0 a save to nest/ would hold.
+    other = fresh(tmp_path, "rank0", directory=str(tmp_path / "nest" / "rank0"))[3]
+    (tmp_path / "link").symlink_to(tmp_path / "scratch")
+    targets = {
+        tmp_path / "scratch": "is the scratch directory",
+        tmp_path / "link": "is the scratch directory",  # real paths are compared
+        scratch: "lies inside the scratch directory",
+        tmp_path / "nest": "holds the scratch directory",
+    }
+    live = _contents(scratch), _contents(tmp_path / "nest" / "rank0" / "rank0")
+    refusals = []
+    for target, relation in targets.items():
+        for call in (streamed.save_to, streamed.load_from):
+            with pytest.raises(StreamConfigError, match=f"{relation} .* of a live optimizer-state store") as info:
+                call(str(target))
+            refusals.append(str(info.value))
+    assert (_contents(scratch), _contents(tmp_path / "nest" / "rank0" / "rank0")) == live
+    assert not (tmp_path / "scratch" / ".rank0.partial").exists() and not (scratch / "rank0").exists()
+    other.close()
+    _retry_and_finish(model, optimizer, scheduler, streamed)
+    streamed.close()
+    fault_report(
+        "save_to / load_from aimed at a live scratch (the store's own directory, or any live store's)",
+        "refused before writing, naming the scratch; the run goes on",
+        refusals[0],
+        "none (the live state is untouched; the run finishes byte-identical)",
+    )
+
+
+def test_a_save_found_where_the_scratch_belongs_survives_the_restart_purge(tmp_path, fault_report):
+    """What a killed run left when a save could still land on its scratch: the
+    checkpoint sits at ``<directory>/<name>``, beside a stale lock. Neither the
+    restart's purge nor the purge command deletes it; the restart says where it
+    is, and once moved out it loads."""
+    ckpt = tmp_path / "ckpt"
+    streamed = save_run(tmp_path, ckpt)[3]
+    streamed.close()
+    found = tmp_path / "scratch" / "rank0"
+    os.rename(ckpt / "rank0", found)
+    (tmp_path / "scratch" / ".rank0.lock").write_bytes(LOCK_MARKER)  # no process holds it: stale
+    saved = _contents(found)
+    removed, skipped = purge(str(tmp_path / "scratch"))  # a job epilog's
+    assert removed == [] and [f"{found}: holds a save" in line for line in skipped] == [True]
+    assert _contents(found) == saved
+    with pytest.raises(StreamConfigError, match=f"{found} holds a save .*{MANIFEST_NAME}.* left as it is") as info:
+        fresh(tmp_path, "rank0")
+    assert _contents(found) == saved
+    os.rename(found, ckpt / "rank0")
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+    fault_report(
+        "a checkpoint found where the scratch belongs (saved there by an older version)",
+        "the restart's purge and the purge command leave it, saying so; moved out, it loads",
+        str(info.value),
+        "none",
+    )
+
+
+@pytest.fixture
+def small_drives(tmp_path, monkeypatch):
+    """``make(name, nbytes)``: a directory on a filesystem of ``nbytes`` of its own: a
+    tmpfs where this process may mount one (root); elsewhere a drive modelled where
+    the store measures it (``shutil.disk_usage``: ``nbytes`` less the sizes of the
+    real files under it)."""
+    mounted, modelled = [], {}
+    measure = shutil.disk_usage
+
+    def modelled_usage(path):
+        real = os.path.realpath(path)
+        for drive, nbytes in modelled.items():
+            if os.path.commonpath([real, drive]) == drive:
+                used = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(drive) for f in files)
+                return measure(path)._replace(total=nbytes, used=used, free=nbytes - used)
+        return measure(path)
+
+    def make(name: str, nbytes: int):
+        path = tmp_path / name
+        path.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(path)]
+        if os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0:
+            mounted.append(path)
+        else:
+            modelled[os.path.realpath(path)] = nbytes
+            monkeypatch.setattr(shutil, "disk_usage", modelled_usage)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _three_layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to(torch.bfloat16)
+
+
+def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path, small_drives, fault_report):
+    """Drives that hold one run's scratch but not two: the restart purges what the
+    killed run of its rank left before it measures free space, both where each
+    scratch checks its room and where the buckets are dealt over the directories.
+    Three equal buckets over a drive with room for two and one with room for one
+    and a half: measured before the purge, the small drive looked the roomier and
+    the dealing put two buckets on it."""
+    cap = 256 * 256  # one layer a bucket
+    size = (
+        StreamedOptimizer(
+            torch.optim.AdamW(_three_layers().parameters()), StreamConfig(tier="host", bucket_cap_elements=cap)
+        )
+        .store.buckets[0]
+        .file_size
+    )
+    slack = 256 << 10  # lock files, and the page rounding of a tmpfs
+    large, small = small_drives("large", 4 * size + slack), small_drives("small", 3 * size + slack)
+    directory = f"{large / 'optimizer_state'},{small / 'optimizer_state'}"
+    killed = textwrap.dedent(f"""
+        import os, torch
+        from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+        from tests.unit.test_faults import _three_layers
+        model = _three_layers()
+        optimizer = torch.optim.AdamW(model.parameters())
+        StreamedOptimizer(optimizer, StreamConfig(directory={directory!r}, bucket_cap_elements={cap}))
+        model(torch.ones(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+        optimizer.step()
+        os._exit(0)  # as SIGKILL would: no close, no exit cleanup
+    """)
+    subprocess.run([sys.executable, "-c", killed], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, check=True)
+    stale = {d: sorted(os.listdir(d / "optimizer_state" / "rank0")) for d in (large, small)}
+    assert [len(files) for files in stale.values()] == [4, 2], "the killed run left both slots of all three buckets"
+    free = [shutil.disk_usage(d).free for d in (large, small)]
+    assert max(free) < 2 * size, "with the stale scratch there, no drive has room for a bucket's two slots"
+
+    model = _three_layers()
+    optimizer = torch.optim.AdamW(model.parameters())
+    streamed = StreamedOptimizer(optimizer, StreamConfig(directory=directory, bucket_cap_elements=cap))
+    assert streamed.store.placed.directory_of == [0, 1, 0]
+    model(torch.ones(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    streamed.close()
+    fault_report(
+        "restart after a kill, on drives that hold one scratch but not two",
+        "the restart purges its rank's stale scratch, then measures free space; it starts",
+        f"stale scratch {sum(map(len, stale.values()))} files, free before the purge "
+        f"{max(free)} < {2 * size} bytes a bucket needs; restarted with the buckets dealt as before",
+        "the steps since the last checkpoint (the stale scratch is not a checkpoint)",
     )
 
 
