@@ -108,38 +108,64 @@ def _stat(directory: str, key: str) -> int:
     return 0
 
 
+# Launcher variables that give the ranks on this node exactly: torchrun's, and
+# Open MPI mpirun's (which sets no LOCAL_WORLD_SIZE).
+EXACT_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# Where the node's GPUs are listed (absent in most containers, where only the GPUs
+# this process sees can be counted).
+NODE_GPUS = "/proc/driver/nvidia/gpus"
+
+
 def local_ranks(group: bool = False) -> tuple[int, str]:
-    """Ranks sharing this node's host memory, and how that was found.
+    """Ranks sharing this node's host memory, and what decided the count (for the log).
 
     ``group``: every rank of an initialized process group is here at once (Megatron's
     ``attach``), so the ranks that report this host's name are counted, exactly (a
     collective; it also keeps a rank from pinning before the slowest has measured).
-    Otherwise no collective is safe: torchrun's ``LOCAL_WORLD_SIZE``; else, with a
-    process group of several ranks, one rank per visible GPU (at most the world);
-    else Slurm's ``SLURM_NTASKS_PER_NODE``; else 1, this process alone."""
+    Otherwise no collective is safe: torchrun's ``LOCAL_WORLD_SIZE`` or Open MPI's
+    ``OMPI_COMM_WORLD_LOCAL_SIZE``; else, with a process group of several ranks, the
+    larger of Slurm's ``SLURM_NTASKS_PER_NODE`` and one rank per GPU of the node (at
+    most the world); else ``SLURM_NTASKS_PER_NODE``; else 1, this process alone."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if group and world > 1:
         hosts = [None] * world
         torch.distributed.all_gather_object(hosts, socket.gethostname())
         return hosts.count(socket.gethostname()), "ranks on this host in the process group"
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value), "LOCAL_WORLD_SIZE"
+    for variable in EXACT_LOCAL_SIZE_VARIABLES:
+        if count := _count_in(variable):
+            return count, variable
+    slurm = _count_in("SLURM_NTASKS_PER_NODE")
     if world > 1:
-        return min(world, max(1, _gpus_on_this_node())), "one rank per GPU of this node"
-    value = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # Slurm may write "8(x2)"
-    if value.isdigit() and int(value) > 0:
-        return int(value), "SLURM_NTASKS_PER_NODE"
-    return 1, "one process: no process group, LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE"
+        # Neither count is exact: Slurm's is 1 in every worker of Ray on Slurm (one
+        # `ray start` per node); the GPUs are the node's only where NODE_GPUS lists them,
+        # elsewhere the ones this process sees, one each under srun. The larger errs
+        # toward a smaller share, never toward ranks that together pin more than the node has.
+        gpus, which = _gpus_on_this_node()
+        if slurm > max(1, gpus):
+            return min(world, slurm), "SLURM_NTASKS_PER_NODE"
+        return min(world, max(1, gpus)), f"one rank per GPU {which}"
+    if slurm:
+        return slurm, "SLURM_NTASKS_PER_NODE"
+    return 1, "one process: no process group, LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE"
 
 
-def _gpus_on_this_node() -> int:
+def _count_in(variable: str) -> int:
+    """The positive count an environment variable holds, else 0 (Slurm may write "8(x2)")."""
+    value = os.environ.get(variable, "").split("(")[0]
+    return int(value) if value.isdigit() else 0
+
+
+def _gpus_on_this_node() -> tuple[int, str]:
     """The node's GPUs, not the ones this process sees (a launcher may hide the others
-    with ``CUDA_VISIBLE_DEVICES``, as Ray does per actor)."""
+    with ``CUDA_VISIBLE_DEVICES``, as Ray does per actor), and where they were counted;
+    the ones it sees where the node's are not listed."""
     try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
+        return len(os.listdir(NODE_GPUS)), f"of this node ({NODE_GPUS})"
     except OSError:
-        return torch.cuda.device_count()
+        return torch.cuda.device_count(), (
+            f"this process sees (no {NODE_GPUS} here: if the launcher hides the node's other GPUs from each rank, "
+            "set LOCAL_WORLD_SIZE)"
+        )
 
 
 def host_budget(

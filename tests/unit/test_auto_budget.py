@@ -471,41 +471,68 @@ def test_cgroup_room_is_the_tightest_limit_on_the_path_to_the_root(tmp_path):
     assert cgroup_room(str(proc), str(root)) == 800
 
 
+LAUNCHER_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
 @pytest.mark.parametrize(
     "env, ranks",
-    [({"LOCAL_WORLD_SIZE": "8"}, 8), ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4), ({}, 1)],
+    [
+        ({"LOCAL_WORLD_SIZE": "8"}, 8),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "6"}, 6),
+        ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4),
+        ({}, 1),
+    ],
 )
 def test_the_ranks_on_a_node_come_from_the_launcher(monkeypatch, env, ranks):
-    for variable in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for variable in LAUNCHER_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
     assert auto_budget.local_ranks()[0] == ranks
+    assert auto_budget.local_ranks()[1].startswith(next(iter(env), "one process"))
 
 
-def test_with_a_process_group_the_ranks_on_this_host_are_counted_not_taken_from_slurm(tmp_path, monkeypatch):
-    """Ray on Slurm (one ``ray start`` per node) leaves SLURM_NTASKS_PER_NODE=1 in every worker."""
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1")
+def _local_ranks_in_a_process_group(tmp_path, world: int, env: dict) -> list[list[str]]:
+    """[exact count, count and what decided it without the collective] in each rank of a
+    real gloo process group of ``world`` processes on this host, launched with ``env``."""
     script = tmp_path / "count.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
         "from miles_plugins.optimizers import auto_budget\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=int(sys.argv[1]), world_size=3)\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=int(sys.argv[1]), "
+        f"world_size={world})\n"
         "exact, quiet = auto_budget.local_ranks(group=True), auto_budget.local_ranks()\n"
-        "print(exact[0], quiet[1])\n"
+        "print(exact[0], quiet[0], quiet[1], sep='|')\n"
         "dist.destroy_process_group()\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env = {**clean, **env, "PYTHONPATH": str(REPO)}
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, text=True, env=env)
-        for r in range(3)
+        for r in range(world)
     ]
-    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    outs = [p.communicate(timeout=120)[0].strip().split("|") for p in procs]
     assert all(p.returncode == 0 for p in procs)
+    return outs
+
+
+def test_with_a_process_group_the_ranks_on_this_host_are_counted_not_taken_from_slurm(tmp_path):
+    """Ray on Slurm (one ``ray start`` per node) leaves SLURM_NTASKS_PER_NODE=1 in every worker."""
+    outs = _local_ranks_in_a_process_group(tmp_path, 3, {"SLURM_NTASKS_PER_NODE": "1"})
     # Exact: the three ranks share this host. Without the collective, not Slurm's 1 either: a rank per GPU
     # (none here: at least 1), never more than the world.
-    assert [o[0] for o in outs] == ["3", "3", "3"] and all(" ".join(o[1:]).startswith("one rank per GPU") for o in outs)
+    assert [o[0] for o in outs] == ["3", "3", "3"] and all(o[2].startswith("one rank per GPU") for o in outs)
+
+
+@pytest.mark.parametrize("variable", ["SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"])
+def test_ranks_that_see_one_gpu_each_count_the_launcher_s_ranks_per_node(tmp_path, variable):
+    """srun or mpirun, one GPU visible per rank (or none, here) and no LOCAL_WORLD_SIZE:
+    without the collective, counting the GPUs this process sees would make every rank
+    of the node think it alone, and take the whole node's budget. The launcher's count
+    of its ranks on the node decides, as the collective's count says it should."""
+    outs = _local_ranks_in_a_process_group(tmp_path, 2, {variable: "2"})
+    assert [(exact, quiet) for exact, quiet, _ in outs] == [("2", "2"), ("2", "2")]
+    assert all(why == variable for _, _, why in outs), outs
 
 
 def test_an_auto_host_budget_places_what_it_measured(tmp_path, monkeypatch, caplog):
