@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -61,3 +63,36 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in row) + " |")
     for nodeid in failed:
         write(f"| FAILED: {nodeid} | | | |")
+
+
+@pytest.fixture
+def small_drives(tmp_path, monkeypatch):
+    """``make(name, nbytes)``: a directory on a filesystem of ``nbytes`` of its own: a
+    tmpfs where this process may mount one (root); elsewhere a drive modelled where
+    the store measures it (``shutil.disk_usage``: ``nbytes`` less the sizes of the
+    real files under it)."""
+    mounted, modelled = [], {}
+    measure = shutil.disk_usage
+
+    def modelled_usage(path):
+        real = os.path.realpath(path)
+        for drive, nbytes in modelled.items():
+            if os.path.commonpath([real, drive]) == drive:
+                used = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(drive) for f in files)
+                return measure(path)._replace(total=nbytes, used=used, free=nbytes - used)
+        return measure(path)
+
+    def make(name: str, nbytes: int):
+        path = tmp_path / name
+        path.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(path)]
+        if os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0:
+            mounted.append(path)
+        else:
+            modelled[os.path.realpath(path)] = nbytes
+            monkeypatch.setattr(shutil, "disk_usage", modelled_usage)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # a failed test may hold files open

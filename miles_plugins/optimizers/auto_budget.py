@@ -196,6 +196,17 @@ def resolve_host(config, group: bool = False):
     return dataclasses.replace(config, host_budget_bytes=budget)
 
 
+def setup_gpu_room(device: torch.device, margin_bytes: int, releasable_bytes: int) -> int:
+    """What a store's gpu home could take at setup, before any step has shown the
+    forward/backward peak: the device memory this process may still allocate, plus
+    ``releasable_bytes`` (mains the store is about to write out and release), less the
+    margin. Used only where host memory and the disk cannot hold the state (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    free = CudaMemory(device).limit() - torch.cuda.memory_allocated(device)
+    return max(0, free + releasable_bytes - margin_bytes)
+
+
 class DeviceMemory(Protocol):
     """What :class:`AutoGpuBudget` reads of the device (:class:`CudaMemory` on CUDA)."""
 

@@ -146,6 +146,11 @@ class FileBacking:
     that fails part way (a write error, a full disk, a hung drive) loses
     nothing before it. That costs twice the state in disk space.
 
+    Buckets in ``one_slot`` (where the drive cannot hold two) have a single file,
+    written in place as the host home is: a step that fails after updating one
+    cannot be rolled back (``rollback.py``). ``Placement`` gives one slot to the
+    last disk buckets of the walk, so the two-slot ones all come before them.
+
     Creates every file (new, private, never through a symlink) at its full size
     so a full disk fails here, not mid-step. With ``direct`` the files are
     opened ``O_DIRECT`` (no page cache: it would fill host RAM with state that
@@ -153,15 +158,22 @@ class FileBacking:
     used and a log line says so.
     """
 
-    keeps_previous_state = True
     SLOTS = 2
 
-    def __init__(self, directory: str, buckets: Sequence[BucketLayout], direct: bool, io_queue: int = 0) -> None:
+    def __init__(
+        self,
+        directory: str,
+        buckets: Sequence[BucketLayout],
+        direct: bool,
+        io_queue: int = 0,
+        one_slot: frozenset[int] = frozenset(),
+    ) -> None:
         self.directory = directory
         self.io_queue = io_queue  # which of the engine's sets of I/O threads serves this directory's drive
+        self.one_slot = one_slot
         self.committed = 0
         for bucket in buckets:
-            for slot in range(self.SLOTS):
+            for slot in range(self._slots(bucket.index)):
                 path = self.path(bucket, slot)
                 fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
                 try:
@@ -175,22 +187,31 @@ class FileBacking:
         self.direct = direct and bool(buckets) and _direct_io_works(self.path(buckets[0], 0))
 
     @classmethod
-    def bytes_needed(cls, buckets: Sequence[BucketLayout]) -> int:
-        return cls.SLOTS * sum(b.file_size for b in buckets)
+    def bytes_needed(cls, buckets: Sequence[BucketLayout], one_slot: frozenset[int] = frozenset()) -> int:
+        return sum(b.file_size * (1 if b.index in one_slot else cls.SLOTS) for b in buckets)
+
+    def _slots(self, index: int) -> int:
+        return 1 if index in self.one_slot else self.SLOTS
+
+    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
+        """Whether a step writes the bucket to a spare slot (the live state stays until commit)."""
+        return bucket.index not in self.one_slot
 
     def path(self, bucket: BucketLayout, slot: int | None = None) -> str:
-        """The file of ``slot`` (default: the committed one)."""
+        """The file of ``slot`` (default: the committed one; a one-slot bucket's only file)."""
         slot = self.committed if slot is None else slot
+        slot = slot if self.keeps_previous_state_of(bucket) else 0
         return os.path.join(self.directory, f"{bucket.file_name.removesuffix('.bin')}.slot{slot}.bin")
 
     def open(self, bucket: BucketLayout, in_place: bool = False) -> FileHandle:
         """Reads come from the committed slot; writes go to the other slot, or to
-        the committed one ``in_place`` (rewriting mains outside a step)."""
+        the committed one ``in_place`` (rewriting mains outside a step; always for
+        a one-slot bucket)."""
         write_slot = self.committed if in_place else 1 - self.committed
         return FileHandle(self.path(bucket), self.path(bucket, write_slot), self.direct, self.io_queue)
 
     def commit(self) -> None:
-        """The slot a step wrote becomes the state."""
+        """The slot a step wrote becomes the state (one-slot buckets were written in place)."""
         self.committed = 1 - self.committed
 
     def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
@@ -203,7 +224,7 @@ class FileBacking:
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from an open file into the spare slot (the live state
-        is untouched until :meth:`commit`), through ``crc``."""
+        is untouched until :meth:`commit`; a one-slot bucket's file is overwritten), through ``crc``."""
         handle = self.open(bucket)
         try:
             copy_file_crc32(src_fd, src_path, handle.write_fd, handle.write_path, bucket.file_size, buffer.view, crc)
@@ -258,8 +279,6 @@ class HostBacking:
     (device copies then run as DMA at full PCIe speed). One copy: a step writes
     in place (a second would double the host memory this tier exists to use)."""
 
-    keeps_previous_state = False
-
     def __init__(self, buckets: Sequence[BucketLayout], pin: bool) -> None:
         self.buffers: dict[int, HostMemory] = {}
         try:
@@ -275,6 +294,9 @@ class HostBacking:
                 0,
                 errno.ENOMEM,
             ) from exc
+
+    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
+        return False
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
         return BufferHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")
@@ -312,8 +334,6 @@ class DeviceBacking:
     before it have given their device memory back, so a GPU home never sits on
     top of the fp32 mains Megatron's build allocated."""
 
-    keeps_previous_state = False
-
     def __init__(self, buckets: Sequence[BucketLayout], device: torch.device) -> None:
         self.device = device
         self.buffers: dict[int, torch.Tensor] = {}
@@ -340,6 +360,9 @@ class DeviceBacking:
     def remove(self, bucket: BucketLayout) -> None:
         """Free one bucket's memory (it went back to its place below)."""
         del self.buffers[bucket.index]
+
+    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
+        return False
 
     def _buffer(self, bucket: BucketLayout) -> torch.Tensor:
         if bucket.index in self._unallocated:

@@ -24,10 +24,21 @@ the same in every home: checkpoints do not depend on placement.
 With several state directories, :func:`spread_over_directories` deals the disk
 buckets round robin over those with room; each directory has its own file
 backing and its own I/O threads in the engine (``io_queue``).
+
+Where the directories cannot hold two slots per disk bucket, :func:`plan_disk`
+keeps the last disk buckets of the walk in one slot, as many as it takes (they
+are written in place: a step that fails after updating one cannot be rolled
+back, as for host and gpu buckets). Where even one slot each does not fit, an
+auto GPU budget gives the gpu home, at setup, what the device can spare (free
+memory after the model, its grads and the released mains, less the margin).
+Only when gpu, host and disk together cannot hold the state is it refused,
+saying how much is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -36,6 +47,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from miles_plugins.optimizers.config import HOMES, StreamConfig
+from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.scratch import ScratchDir
@@ -63,25 +75,57 @@ def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> tuple
     return homes, left
 
 
-def spread_over_directories(buckets: Sequence[BucketLayout], homes: Sequence[str], free: Sequence[int]) -> list:
+def spread_over_directories(
+    buckets: Sequence[BucketLayout],
+    homes: Sequence[str],
+    free: Sequence[int],
+    one_slot: frozenset[int] = frozenset(),
+) -> list:
     """The state directory (an index into ``free``, their free bytes) of each disk
     bucket, None for the others: in walk order, round robin over the directories
-    with room left for its two slots, so consecutive buckets stream from
-    different drives whatever their sizes; where none has room, the one with the
-    most (its scratch then refuses, saying how much is missing)."""
+    with room left for its slots (two, one for those in ``one_slot``), so
+    consecutive buckets stream from different drives whatever their sizes; where
+    none has room, the one with the most (:func:`plan_disk` counts what is missing)."""
     left = list(free)
     where: list = [None] * len(buckets)
     turn = 0
     for bucket in buckets:
         if homes[bucket.index] != "disk":
             continue
-        need = 2 * bucket.file_size
+        need = FileBacking.bytes_needed([bucket], one_slot)
         order = [(turn + d) % len(left) for d in range(len(left))]
         i = next((d for d in order if left[d] >= need), max(order, key=lambda d: left[d]))
         left[i] -= need
         where[bucket.index] = i
         turn = i + 1
     return where
+
+
+def plan_disk(
+    buckets: Sequence[BucketLayout], homes: Sequence[str], free: Sequence[int]
+) -> tuple[list, frozenset[int], int]:
+    """Each disk bucket's directory (:func:`spread_over_directories`), the disk
+    buckets kept in one slot, and the bytes the directories still lack. Two slots
+    per bucket where the directories hold them; otherwise the last disk buckets of
+    the walk keep one, as many as it takes (they come after every two-slot one, so
+    a failed step still rolls back up to them)."""
+    disk = [b for b in buckets if homes[b.index] == "disk"]
+    one_slot: set[int] = set()
+    while True:
+        where = spread_over_directories(buckets, homes, free, frozenset(one_slot))
+        used = [0] * len(free)
+        for bucket in disk:
+            used[where[bucket.index]] += FileBacking.bytes_needed([bucket], frozenset(one_slot))
+        short = sum(max(0, u - f) for u, f in zip(used, free, strict=True))
+        two_slots = [b for b in reversed(disk) if b.index not in one_slot]
+        if not short or not two_slots:
+            return where, frozenset(one_slot), short
+        spared = 0
+        for bucket in two_slots:  # from the end of the walk, until the slots given up cover the lack
+            one_slot.add(bucket.index)
+            spared += bucket.file_size
+            if spared >= short:
+                break
 
 
 class Placement:
@@ -93,24 +137,74 @@ class Placement:
     is purged. Free space is measured once every directory's scratch is locked and
     its stale files purged (what a killed run of this name left is room for this
     one); each scratch checks its own before its files are made. A failure part
-    way removes those made. :meth:`remove` removes them all."""
+    way removes those made. :meth:`remove` removes them all.
 
-    def __init__(self, buckets: Sequence[BucketLayout], config: StreamConfig) -> None:
+    Where the disk is short, the last disk buckets keep one slot (``one_slot``,
+    :func:`plan_disk`), and then, with ``gpu_room`` (an auto GPU budget's room at
+    setup, :func:`auto_budget.setup_gpu_room`), the gpu home takes what is still
+    missing (``setup_gpu_bytes``); what no home can hold is refused."""
+
+    def __init__(self, buckets: Sequence[BucketLayout], config: StreamConfig, gpu_room: int | None = None) -> None:
         self.buckets = list(buckets)
         self.homes, self.budgets_left = assign_homes(buckets, config)
         directories = config.directories if config.tier == "disk" else ()
         self.scratches: list[ScratchDir] = []  # one per directory, by index
+        self.setup_gpu_bytes = 0
         try:
             for directory in directories:
                 self.scratches.append(ScratchDir(directory, config.name))  # locked, stale scratch purged
             free = [shutil.disk_usage(scratch.directory).free for scratch in self.scratches]
-            self.directory_of = spread_over_directories(buckets, self.homes, free)
+            self.directory_of, self.one_slot, short = plan_disk(buckets, self.homes, free)
+            if short and gpu_room:
+                short = self._give_the_gpu(config, free, gpu_room, short)
+            if short:
+                message = _no_room(self, config, free, gpu_room, short)
+                raise StreamIOError(message, self.scratches[0].directory, 0, errno.ENOSPC)
+            self._log_fallbacks(free, gpu_room)
             for i, scratch in enumerate(self.scratches):
-                scratch.create(FileBacking.bytes_needed([b for b in buckets if self.directory_of[b.index] == i]))
+                mine = [b for b in buckets if self.directory_of[b.index] == i]
+                scratch.create(FileBacking.bytes_needed(mine, self.one_slot))
         except BaseException:
             self.remove()
             raise
         _warn_about_shared_filesystems([scratch.directory for scratch in self.scratches])
+
+    def _give_the_gpu(self, config: StreamConfig, free: Sequence[int], gpu_room: int, short: int) -> int:
+        """Give the gpu home (an auto budget's, empty so far) what the disk lacks, up to
+        ``gpu_room``, until the disk holds the rest; returns what is still missing."""
+        budget = 0
+        while short and budget < gpu_room:
+            budget = min(gpu_room, budget + short)
+            homes, left = assign_homes(self.buckets, dataclasses.replace(config, gpu_budget_bytes=budget))
+            directory_of, one_slot, short = plan_disk(self.buckets, homes, free)
+        self.homes, self.directory_of, self.one_slot = homes, directory_of, one_slot
+        self.budgets_left = {**left, "gpu": 0}  # an auto budget: nothing for another store to count on
+        self.setup_gpu_bytes = self.home_bytes()["gpu"]
+        return short
+
+    def _log_fallbacks(self, free: Sequence[int], gpu_room: int | None) -> None:
+        if self.one_slot:
+            kept = sum(b.file_size for b in self.buckets if b.index in self.one_slot)
+            disk = [b for b in self.buckets if self.homes[b.index] == "disk"]
+            logger.warning(
+                "%s: the state directories have %.2f GB free, two slots per disk bucket need %.2f GB: %d of the "
+                "%d disk buckets (%.2f GB) keep one slot, written in place; a step that fails after updating one "
+                "of them cannot be rolled back (the store then refuses to go on, as for host and gpu buckets)",
+                self.scratches[0].path if self.scratches else "the store",
+                sum(free) / 1e9,
+                FileBacking.bytes_needed(disk) / 1e9,
+                len(self.one_slot),
+                len(disk),
+                kept / 1e9,
+            )
+        if self.setup_gpu_bytes:
+            logger.warning(
+                "host memory and the disk cannot hold the whole state: the gpu home takes %.2f GB of it from setup "
+                "on (of %.2f GB the device could spare beyond the auto margin); the first forward and backward "
+                "must fit in what is left, and these buckets have no place below to go back to",
+                self.setup_gpu_bytes / 1e9,
+                gpu_room / 1e9,
+            )
 
     def move(self, index: int, home: str) -> None:
         """Bucket ``index`` now lives in ``home`` (an auto GPU budget moved it)."""
@@ -147,6 +241,26 @@ class Placement:
     def remove(self) -> None:
         for scratch in self.scratches:
             scratch.remove()
+
+
+def _no_room(placed: Placement, config: StreamConfig, free: Sequence[int], gpu_room: int | None, short: int) -> str:
+    """The refusal when no home can hold what is left: what each holds, and what is missing."""
+    held = placed.home_bytes()
+    gpu = (
+        "all an auto GPU budget could spare at setup beyond its margin"
+        if gpu_room is not None
+        else "its budget; 'auto' would count the device's free memory"
+    )
+    return (
+        f"not enough free space for the optimizer state ({sum(b.file_size for b in placed.buckets) / 1e9:.2f} GB "
+        f"stored) in {', '.join(s.directory for s in placed.scratches)}: it needs "
+        f"{(sum(free) + short) / 1e9:.2f} GB for the disk buckets even with one slot each, {sum(free) / 1e9:.2f} GB free, "
+        f"{short / 1e9:.2f} GB short; the GPU holds {held['gpu'] / 1e9:.2f} GB ({gpu}) and host memory "
+        f"{held['host'] / 1e9:.2f} GB (a budget of {config.host_budget_bytes / 1e9:.2f} GB). Free disk space or "
+        "add a directory on another drive, give host memory more (--stream-optimizer-state-host-budget-gb, "
+        "host_budget_bytes), or store fewer bytes per param (--stream-optimizer-state-main-storage remainder, "
+        "--stream-optimizer-state-moment-dtype 8bit)"
+    )
 
 
 def _warn_about_shared_filesystems(directories: list[str]) -> None:
@@ -191,8 +305,8 @@ class PlacedBacking:
         return self.by_key[self.keys[bucket.index]]
 
     def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
-        """Whether the bucket has a spare to fill while its live state stays (disk)."""
-        return self._of(bucket).keeps_previous_state
+        """Whether the bucket has a spare to fill while its live state stays (disk, two slots)."""
+        return self._of(bucket).keeps_previous_state_of(bucket)
 
     def file_backing(self, bucket: BucketLayout):
         """The files of a disk bucket (``FileBacking``)."""
@@ -306,7 +420,8 @@ def move_from_device_home(
     for bucket in [b for b in buckets if placed.homes[b.index] == "gpu"]:
         if freed >= nbytes:
             break
-        if (backing.below[bucket.index] == "host") != (home == "host"):  # disk places are ("disk", i)
+        below = backing.below.get(bucket.index)  # None: placed on the device at setup, nothing below
+        if below is None or (below == "host") != (home == "host"):  # disk places are ("disk", i)
             continue
         try:
             backing.move_back(bucket, staging)

@@ -4,13 +4,14 @@ A step writes each disk bucket's update to its spare slot and commits only after
 the last write (``io.FileBacking.commit``), so a failure part way leaves the
 committed state whole: rolling back is restoring the bucket optimizers' step
 counts and rewriting the model params the step had changed from the committed
-mains. Three kinds of update cannot be undone that way:
+mains. Four kinds of update cannot be undone that way:
 
 - a bucket at home in host or device memory, updated in place;
+- a disk bucket kept in one slot (its drive had no room for two), updated in place;
 - a bucket of fp32-native params, which are their own mains, updated in place;
 - anything at all with remainder mains, which need the params the step overwrote.
 
-The first two come last in the walk (``placement.py`` orders them, and the
+The first three come last in the walk (``placement.py`` orders them, and the
 pipeline drains every disk write before the first of them, ``drain_before``), so
 a failure before them still rolls back. After one of them was updated, or with
 remainder mains, or while transfers hang, the store refuses to step again.
@@ -24,23 +25,26 @@ from collections.abc import Sequence
 from miles_plugins.optimizers.entries import EntryFn
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.placement import Placement
 
 logger = logging.getLogger(__name__)
 
 
-def written_in_place(bucket: BucketLayout, home: str) -> str | None:
-    """Why an update of ``bucket`` (at ``home``) cannot be undone, or None (its mains
-    stream to disk, where a step writes the spare slot)."""
+def written_in_place(bucket: BucketLayout, placed: Placement) -> str | None:
+    """Why an update of ``bucket`` cannot be undone, or None (its mains stream to a
+    disk bucket with two slots, where a step writes the spare one)."""
     if not bucket.streams_main:
         return "the fp32-native params are updated in place"
-    if home != "disk":
+    if placed.homes[bucket.index] != "disk":
         return "buckets at home in host or device memory are written in place"
+    if bucket.index in placed.one_slot:
+        return "disk buckets kept in one slot (the drive had no room for two) are written in place"
     return None
 
 
-def first_written_in_place(buckets: Sequence[BucketLayout], homes: Sequence[str]) -> int | None:
+def first_written_in_place(buckets: Sequence[BucketLayout], placed: Placement) -> int | None:
     """The first bucket whose update cannot be undone: the walk drains disk writes before it."""
-    return next((b.index for b in buckets if written_in_place(b, homes[b.index])), None)
+    return next((b.index for b in buckets if written_in_place(b, placed)), None)
 
 
 class StepRollback:
@@ -55,14 +59,14 @@ class StepRollback:
         self,
         step_number: int,
         pipeline: Pipeline,
-        homes: Sequence[str],
+        placed: Placement,
         copy_to_model: EntryFn,
         *,
         remainder_mains: bool,
     ) -> None:
         self._step_number = step_number
         self._pipeline = pipeline
-        self._homes = homes
+        self._placed = placed
         self._copy_to_model = copy_to_model
         # Why no failed step can be rolled back, whatever it updated.
         self._blocker = "remainder mains need the params the step overwrote" if remainder_mains else None
@@ -90,7 +94,7 @@ class StepRollback:
             (
                 f"{why} (bucket {f.bucket.index} was updated)"
                 for f, _ in self._updated
-                if (why := written_in_place(f.bucket, self._homes[f.bucket.index]))
+                if (why := written_in_place(f.bucket, self._placed))
             ),
             None,
         )

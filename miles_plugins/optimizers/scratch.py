@@ -113,7 +113,7 @@ class ScratchDir:
 
     def create(self, needed_bytes: int) -> None:
         """Create the subdirectory, once ``needed_bytes`` are free where it goes."""
-        require_free_space(self.directory, needed_bytes, "the optimizer state (two slots per bucket)")
+        require_free_space(self.directory, needed_bytes, "the optimizer state's bucket files")
         make_private_dir(self.path)
 
     def _preflight(self) -> None:

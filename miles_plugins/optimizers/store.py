@@ -160,8 +160,18 @@ class StreamingStore:
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
         # Each bucket's home and a disk bucket's directory, with the directories' scratches:
-        # their free space is checked before anything is written.
-        self.placed = Placement(self.buckets, config)
+        # their free space is checked before anything is written. An auto GPU budget lends
+        # the device's room at setup where host and disk cannot hold the state.
+        gpu_room = None
+        if auto_gpu_wanted:
+            releasable = sum(
+                self.entries[i].main.untyped_storage().nbytes()
+                for b in self.buckets
+                if b.streams_main
+                for i in b.entry_indices
+            )
+            gpu_room = auto_budget.setup_gpu_room(self._device, config.auto_gpu_margin_bytes, releasable)
+        self.placed = Placement(self.buckets, config, gpu_room)
         try:
             self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.placed, self._device)
             codec = Codec(self.buckets)
@@ -175,7 +185,7 @@ class StreamingStore:
                 config.depth,
                 self._device,
                 config.io_timeout_s,
-                drain_before=first_written_in_place(self.buckets, self.placed.homes),
+                drain_before=first_written_in_place(self.buckets, self.placed),
             )
             resident_mains = [self.entries[i].main for i in self._resident_entries]
             self._persistence = Persistence(
@@ -283,7 +293,7 @@ class StreamingStore:
         rollback = StepRollback(
             self.steps_taken + 1,
             self._pipeline,
-            self.placed.homes,
+            self.placed,
             self._copy_to_model,
             remainder_mains=self.config.main_storage == "remainder",
         )
@@ -348,7 +358,7 @@ class StreamingStore:
     def _move(self, move, nbytes: int, home: str):
         self._settle()  # nothing prefetched may read a bucket whose place changes
         done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer(), home)
-        self._pipeline.drain_before = first_written_in_place(self.buckets, self.placed.homes)
+        self._pipeline.drain_before = first_written_in_place(self.buckets, self.placed)
         return done
 
     def _update(self, flight: Flight) -> None:
@@ -386,7 +396,8 @@ class StreamingStore:
         memory (an RL rollout phase wants the GPU); :meth:`restore_device_home`
         brings them back. A step in between still works, over PCIe. With an auto
         GPU budget the buckets go back to their places below instead (no memory
-        pinned), and the budget fills the home again when it is restored."""
+        pinned; only those placed on the device at setup, which have none, go to
+        pinned host memory), and the budget fills the home again when it is restored."""
         self._settle()
         if self.auto_gpu is not None:
             # Each bucket there has its place below: give them back, pinning nothing more.
@@ -396,15 +407,19 @@ class StreamingStore:
                     self.move_from_gpu_home(self.home_bytes["gpu"], home) for home in reversed(DEVICE_FILL_ORDER)
                 ),
             )
-            if self.home_bytes["gpu"]:
+            stuck = [i for i in self._backing.below if self.placed.homes[i] == "gpu"]
+            if stuck:
                 raise StreamIOError(
-                    f"{self.placement['gpu']} buckets of the device home could not go back to their places "
+                    f"{len(stuck)} buckets of the device home could not go back to their places "
                     "below for the offload (see the warning above); they stay on the device",
                     "<device home>",
                     0,
                     errno.EIO,
                 )
-            return  # the budget gave the freed memory to the driver, for another process
+            if not self.home_bytes["gpu"]:
+                return  # the budget gave the freed memory to the driver, for another process
+            # What remains was placed on the device at setup (host and disk had no room): it
+            # goes to pinned host memory, as a fixed GPU budget's buckets do.
         device_home = self._device_home
         if device_home is not None:
             device_home.to_host(pin=torch.cuda.is_available())
@@ -415,12 +430,11 @@ class StreamingStore:
         """Bring what :meth:`offload_device_home` moved back into device memory (with an
         auto GPU budget: fill the home again, once the last store sharing it is restored)."""
         self._settle()
+        device_home = self._device_home
+        if device_home is not None and device_home.offloaded:
+            device_home.to_device()  # buckets of a fixed budget, or placed on the device at setup
         if self.auto_gpu is not None:
             self.auto_gpu.restored(self)
-            return
-        device_home = self._device_home
-        if device_home is not None:
-            device_home.to_device()
 
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
@@ -676,7 +690,7 @@ def _open_backing_and_engine(config: StreamConfig, buckets, placed: Placement, d
             return DeviceBacking(mine, device)
         directory = key[1]
         direct = config.pipelined and config.direct_io
-        return FileBacking(placed.scratches[directory].path, mine, direct, io_queue=directory)
+        return FileBacking(placed.scratches[directory].path, mine, direct, io_queue=directory, one_slot=placed.one_slot)
 
     backing = PlacedBacking(buckets, placed.keys(), build)
     try:

@@ -397,39 +397,6 @@ def test_a_save_found_where_the_scratch_belongs_survives_the_restart_purge(tmp_p
     )
 
 
-@pytest.fixture
-def small_drives(tmp_path, monkeypatch):
-    """``make(name, nbytes)``: a directory on a filesystem of ``nbytes`` of its own: a
-    tmpfs where this process may mount one (root); elsewhere a drive modelled where
-    the store measures it (``shutil.disk_usage``: ``nbytes`` less the sizes of the
-    real files under it)."""
-    mounted, modelled = [], {}
-    measure = shutil.disk_usage
-
-    def modelled_usage(path):
-        real = os.path.realpath(path)
-        for drive, nbytes in modelled.items():
-            if os.path.commonpath([real, drive]) == drive:
-                used = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(drive) for f in files)
-                return measure(path)._replace(total=nbytes, used=used, free=nbytes - used)
-        return measure(path)
-
-    def make(name: str, nbytes: int):
-        path = tmp_path / name
-        path.mkdir()
-        mount = ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(path)]
-        if os.geteuid() == 0 and subprocess.run(mount, capture_output=True).returncode == 0:
-            mounted.append(path)
-        else:
-            modelled[os.path.realpath(path)] = nbytes
-            monkeypatch.setattr(shutil, "disk_usage", modelled_usage)
-        return path
-
-    yield make
-    for path in mounted:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 def _three_layers():
     torch.manual_seed(0)
     return torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to(torch.bfloat16)

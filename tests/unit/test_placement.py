@@ -10,13 +10,22 @@ import re
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, auto_budget
+from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.fs import parse_size
 from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.placement import assign_homes, spread_over_directories
-from tests.unit.reference import Net, assert_same_training, groups, reference_run
+from miles_plugins.optimizers.placement import assign_homes, plan_disk, spread_over_directories
+from tests.faults import FaultPlan
+from tests.unit.reference import (
+    Net,
+    assert_same_training,
+    between_steps,
+    groups,
+    loss_fn,
+    reference_run,
+    schedule,
+)
 from tests.unit.test_bit_identity import STEPS, streamed_run
 from tests.unit.test_checkpoint import SAVE_AT, fresh, resume, save_run, state_of, train
 
@@ -49,9 +58,9 @@ def test_budgets_fill_gpu_then_host_from_the_last_bucket_backwards(sizes, gpu, h
 CAP = 500  # elements per bucket: six buckets of the test model
 
 
-def _bucket_sizes(**config) -> list[int]:
+def _bucket_sizes(fp32_extra: bool = True, **config) -> list[int]:
     """The stored size of each bucket of the test model under ``config`` (held in host memory to see them)."""
-    model = Net(torch.bfloat16)
+    model = Net(torch.bfloat16, fp32_extra)
     streamed = StreamedOptimizer(
         torch.optim.AdamW(groups(model)), StreamConfig(tier="host", bucket_cap_elements=CAP, **config)
     )
@@ -341,3 +350,118 @@ def test_directories_that_are_one_or_nest_are_refused(tmp_path):
         StreamConfig(directory=f"{tmp_path}/d,{tmp_path}/link")
     with pytest.raises(StreamConfigError, match=f"directory names {tmp_path}/d/sub inside {tmp_path}/d"):
         StreamConfig(directory=f"{tmp_path}/d,{tmp_path}/d/sub")
+
+
+# ---- a disk short of two slots per bucket -------------------------------------------
+
+SLACK = 4096  # a small drive's room beyond the bucket files: the scratch's lock file (one page)
+
+
+@pytest.mark.parametrize(
+    "free, one_slot, short",
+    [
+        ([80], set(), 0),  # two slots each fit
+        ([60], {2, 3}, 0),  # the last two disk buckets give up a slot: 20 + 20 + 10 + 10
+        ([40], {0, 1, 2, 3}, 0),  # one slot each, exactly
+        ([30], {0, 1, 2, 3}, 10),  # even one slot each lacks 10
+        (
+            [25, 35],
+            {1, 2, 3},
+            0,
+        ),  # over two directories the lack is per directory: 60 free, {2, 3} fit 50 but not there
+    ],
+)
+def test_the_last_disk_buckets_keep_one_slot_as_many_as_the_directories_need(free, one_slot, short):
+    buckets = [_bucket(i, 10) for i in range(5)]
+    homes = ["disk"] * 4 + ["host"]
+    where, kept, lacking = plan_disk(buckets, homes, free)
+    assert (set(kept), lacking) == (one_slot, short)
+    assert where[4] is None and all(where[i] is not None for i in range(4))
+
+
+def test_a_drive_short_of_two_slots_trains_byte_identical_with_one_slot_buckets(tmp_path, small_drives, caplog):
+    sizes = _bucket_sizes()
+    drive = small_drives("drive", sum(sizes) + sum(sizes[:2]) + SLACK)  # two slots for the first two only
+    ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+    with caplog.at_level("WARNING"):
+        params, state, streamed = streamed_run(
+            torch.optim.AdamW, torch.bfloat16, STEPS, drive / "state", bucket_cap_elements=CAP
+        )
+    one_slot = streamed.store.placed.one_slot
+    assert one_slot and 0 not in one_slot and max(one_slot) == len(sizes) - 1, one_slot
+    assert "keep one slot, written in place" in caplog.text
+    files = sorted(os.listdir(streamed.store.placed.scratches[0].path))
+    assert len(files) == 2 * len(sizes) - len(one_slot)  # a one-slot bucket has a single file
+    assert_same_training((ref_params, ref_state), (params, state))
+    streamed.close()
+
+
+@pytest.mark.parametrize("last_write", [False, True], ids=["before-the-one-slot-bucket", "its-write"])
+def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(tmp_path, small_drives, last_write):
+    """The one-slot buckets come last in the walk, after every disk write the walk drains:
+    a write failing before them rolls the step back; failing on the one-slot bucket's own
+    write (it was updated in place), the store refuses to go on."""
+    sizes = _bucket_sizes(fp32_extra=False)
+    drive = small_drives("drive", sum(sizes) + sum(sizes[:-1]) + SLACK)  # the last bucket keeps one slot
+    model = Net(torch.bfloat16, fp32_extra=False)
+    optimizer = torch.optim.AdamW(groups(model))
+    config = StreamConfig(directory=str(drive / "state"), bucket_cap_elements=CAP)
+    streamed = StreamedOptimizer(optimizer, config)
+    assert streamed.store.placed.one_slot == {len(sizes) - 1}
+    loss_fn(model, 0).backward()
+    with FaultPlan(drive / "state", "write", nth=10**9, fault="eio") as count:
+        optimizer.step()  # a whole step's writes, counted
+    loss_fn(model, 1).backward()
+    last = streamed.store.buckets[-1]
+    last_bucket_writes = len(last.entry_indices) * len(last.segments)  # one request per entry and segment here
+    nth = count.calls if last_write else count.calls - last_bucket_writes
+    with FaultPlan(drive / "state", "write", nth=nth, fault="eio"), pytest.raises(StreamIOError):
+        optimizer.step()
+    if last_write:
+        with pytest.raises(StoreUnusableError, match="one slot"):
+            optimizer.step()
+    else:
+        optimizer.step()  # rolled back: the step runs again
+        assert streamed.store.steps_taken == 2
+    streamed.close()
+
+
+def test_a_drive_short_even_of_one_slot_each_is_refused_saying_how_much_is_missing(tmp_path, small_drives):
+    sizes = _bucket_sizes()
+    drive = small_drives("drive", sum(sizes) // 2)
+    model = Net(torch.bfloat16)
+    with pytest.raises(StreamIOError, match=r"not enough free space .* even with one slot each, .* GB short"):
+        StreamedOptimizer(
+            torch.optim.AdamW(groups(model)), StreamConfig(directory=str(drive / "state"), bucket_cap_elements=CAP)
+        )
+    assert os.listdir(drive / "state") == [f".{'rank0'}.lock"] or os.listdir(drive / "state") == []
+
+
+def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_path, small_drives, monkeypatch):
+    """The room a CUDA device would report is given here (a CPU has no device memory to
+    measure; ``setup_gpu_room`` reads the CUDA allocator): the last buckets go to the gpu
+    home at setup, the disk holds the rest in one slot, training is byte-identical, and an
+    offload (these buckets have no place below) and a restore keep it so."""
+    sizes = _bucket_sizes()
+    drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
+    monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
+    ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+    model = Net(torch.bfloat16)
+    optimizer = torch.optim.AdamW(groups(model))
+    config = StreamConfig(directory=str(drive / "state"), bucket_cap_elements=CAP, gpu_budget_bytes="auto")
+    streamed = StreamedOptimizer(optimizer, config)
+    assert streamed.store.placement == {"gpu": 2, "host": 0, "disk": len(sizes) - 2}
+    assert streamed.store.placed.setup_gpu_bytes == sizes[-1] + sizes[-2]
+    scheduler = schedule(optimizer)
+    for step in range(STEPS):
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+        if step == 1:
+            streamed.store.offload_device_home()
+            streamed.store.restore_device_home()
+    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
+    state = [by_param[id(p)] for p in model.parameters()]
+    assert_same_training((ref_params, ref_state), ([p.detach().clone() for p in model.parameters()], state))
+    streamed.close()
