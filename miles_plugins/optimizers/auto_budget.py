@@ -278,6 +278,7 @@ class AutoGpuBudget:
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
+        self._started = False  # the first interval began (at the first registration with memory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # stores that stepped in this process
         self._need = 0
@@ -310,8 +311,14 @@ class AutoGpuBudget:
         self._refill = True  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
             self.memory = CudaMemory(device)
+        if self.memory is not None and not self._started:
+            self._started = True
             # The first interval starts here: a peak from before (loading a checkpoint, the
-            # model's initialization) is no part of what training needs besides the home.
+            # model's initialization) is no part of what training needs besides the home. Its
+            # freed blocks go back first: they stay reserved otherwise, and the peak is read from
+            # reserved memory (at 18B, Megatron's DDP build held params, param buffer and grads at
+            # once, 8 bytes per param, and that cache counted as training's need: nothing moved).
+            self.memory.release_cache()
             self.memory.new_interval()
         if self.memory is None:
             logger.info(

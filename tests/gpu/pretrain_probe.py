@@ -6,8 +6,8 @@
 Wraps ``megatron.training.training.train_step`` (test instrumentation, not part
 of the launcher): after each step, rank 0 appends one JSON line to
 ``$PRETRAIN_PROBE_OUT`` with the iteration's reduced losses (``float.hex``,
-exact), a SHA-256 of every model param's bytes (unless ``PRETRAIN_PROBE_HASH=0``:
-hashing 15 GB of params takes seconds), the iteration's and the optimizer step's
+exact), a SHA-256 over a digest of every model param's bits taken on the device
+(``_param_digest``; ``PRETRAIN_PROBE_HASH=0`` skips it), the iteration's and the optimizer step's
 seconds, and, where streaming is on, what the step added to the device memory
 allocated before it against the stores' ``step_device_bytes_bound``, and where
 the state lives. Then it runs ``miles_plugins.launch`` on the arguments, so the
@@ -34,11 +34,30 @@ import torch
 STEP_PEAKS_FROM = 3
 
 
+# Elements per piece of the on-device digest (bounds its int64 temporaries to 512 MiB).
+DIGEST_PIECE = 1 << 26
+
+
+def _param_digest(param: torch.Tensor) -> int:
+    """A position-weighted sum of the param's raw bits, on its device (hashing 15 GB of
+    params on the CPU took seconds per iteration): any change of one element changes it
+    (each weight is odd, the difference of two bit patterns below 2**32), and distinct
+    changes cancel only by accident."""
+    bits = param.detach().contiguous().view(-1)
+    bits = bits.view({2: torch.int16, 4: torch.int32}.get(bits.element_size(), torch.uint8))
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), DIGEST_PIECE):
+        piece = bits[start : start + DIGEST_PIECE].to(torch.int64)
+        index = torch.arange(start, start + piece.numel(), dtype=torch.int64, device=bits.device)
+        total += (piece * ((index * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) | 1)).sum()
+    return int(total)
+
+
 def _params_hash(model) -> str:
     digest = hashlib.sha256()
     for chunk in model:
         for param in chunk.parameters():
-            digest.update(param.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            digest.update(_param_digest(param).to_bytes(8, "little", signed=True))
     return digest.hexdigest()
 
 

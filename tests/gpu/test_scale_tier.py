@@ -7,7 +7,9 @@ where the state lives); this process samples the host's MemAvailable while it ru
 GPT shape (as the scale issue measured it): hidden 5120, 40 heads, seq 1024, micro-batch 1,
 global batch 8, ``--transformer-impl local``, mock data, Megatron's default two DataLoader
 workers (forked after the optimizer is built). Layers set the size: 16 = 5.1B, 24 = 7.7B,
-40 = 13B, 58 = 18.3B parameters.
+40 = 12.7B, 50 = 15.8B, 57 = 18.0B parameters (at 64, 20.2B, Megatron's DDP build, bf16
+params + bf16 param buffer + fp32 grads = 8 bytes per param, runs out of device memory before the
+optimizer exists).
 
 Each case writes a JSON summary into $SCALE_TIER_RESULTS (when set) and prints one line.
 The largest sizes are set by $SCALE_EXACT_LAYERS and $SCALE_8BIT_LAYERS.
@@ -38,6 +40,8 @@ GPT = (
     "--log-interval 1 --eval-iters 0 --eval-interval 100000 --seed 1234 --ckpt-format torch_dist"
 ).split()
 EXACT = ["--deterministic-mode"]  # for the byte-identity cases: same kernels every run
+# Where activations, not the state, are what no longer fits (the largest sizes).
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 AUTO = ["--stream-optimizer-state-gpu-budget-gb", "auto", "--stream-optimizer-state-host-budget-gb", "auto"]
 FORMATS = {
     "fp32": [],
@@ -148,7 +152,9 @@ def _check_streamed_run(summary: dict, iters: int) -> None:
     iterations = summary["iterations"]
     assert summary["returncode"] == 0 and len(iterations) == iters, summary["log_tail"]
     assert _loss(iterations[-1]) < _loss(iterations[0]), [_loss(i) for i in iterations]
-    assert summary["mem_available_min_gb"] * 1e9 >= AUTO_HOST_MARGIN * 0.9, summary["mem_available_min_gb"]
+    # The margin is what auto leaves to the rest of the node; Megatron's DataLoader workers
+    # (forked after setup) and the process's own growth take part of it: at least half stays.
+    assert summary["mem_available_min_gb"] * 1e9 >= AUTO_HOST_MARGIN / 2, summary["mem_available_min_gb"]
     measured = [i for i in iterations if i.get("step_added_bytes") is not None]
     assert measured, "no step's peak was measured"
     for i in measured:
@@ -178,7 +184,18 @@ def test_7b_streamed_auto_8bit_trains_and_resumes_byte_identical(tmp_path):
         whole = _run(tmp_path, "7b-auto-8bit", 24, 6, *stream, *EXACT, hashing=True)
         _check_streamed_run(whole, 6)
         first = _run(
-            tmp_path, "7b-auto-8bit-first", 24, 6, "--exit-interval", "3", "--save", str(ckpt), *stream, *EXACT
+            tmp_path,
+            "7b-auto-8bit-first",
+            24,
+            6,
+            "--exit-interval",
+            "3",
+            "--save-interval",
+            "3",
+            "--save",
+            str(ckpt),
+            *stream,
+            *EXACT,
         )
         assert first["returncode"] == 0 and len(first["iterations"]) == 3, first["log_tail"]
         resumed = _run(tmp_path, "7b-auto-8bit-resumed", 24, 6, "--load", str(ckpt), *stream, *EXACT, hashing=True)
@@ -207,9 +224,10 @@ def test_5b_streamed_auto_is_byte_identical_to_resident(tmp_path):
 @pytest.mark.parametrize("storage", ["exact10", "8bit"])
 def test_the_largest_gpt_trains_streamed(tmp_path, storage):
     """The largest size found per mode: remainder mains with fp32 moments (exact, 10 bytes per
-    param stored) and with 8-bit moments (about 4)."""
+    param stored) and with 8-bit moments (about 4), activations recomputed."""
     layers = int(os.environ.get("SCALE_EXACT_LAYERS" if storage == "exact10" else "SCALE_8BIT_LAYERS", 0))
-    layers = layers or (40 if storage == "exact10" else 58)
+    layers = layers or (50 if storage == "exact10" else 57)
     stream = ["--stream-optimizer-state-to-disk", "--offload-train-disk-dir", str(tmp_path / "nvme"), *AUTO]
-    summary = _run(tmp_path, f"largest-{storage}-{layers}l", layers, 4, *stream, *FORMATS[storage])
+    stream += [*FORMATS[storage], *RECOMPUTE]
+    summary = _run(tmp_path, f"largest-{storage}-{layers}l", layers, 4, *stream)
     _check_streamed_run(summary, 4)

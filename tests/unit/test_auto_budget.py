@@ -116,6 +116,25 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     streamed.close()
 
 
+def test_what_the_build_left_cached_is_not_counted_as_training_s_need(tmp_path):
+    """The allocator keeps what the model's build freed reserved (Megatron's DDP build holds
+    params, a param buffer and grads at once); the first interval starts with that cache given
+    back, or its reserved peak would leave no room for the home (seen at 18B on an H200)."""
+    sizer = _auto(tmp_path / "sizes", "s")[3]
+    sizes = [b.file_size for b in sizer.store.buckets]
+    sizer.close()
+    headroom = MARGIN + sizes[-1] + sizes[-2] + sizes[-3] // 2
+    device = SimulatedDevice(headroom=headroom)
+    device._reserved = device.total  # the build's freed blocks, still cached
+    auto_budget.AutoGpuBudget.for_device(torch.device("cpu"), MARGIN).memory = device
+    model, optimizer, scheduler, streamed = _auto(tmp_path)
+    store = streamed.store
+    device.held = lambda: store.home_bytes["gpu"]
+    train(model, optimizer, scheduler, range(0, 1))
+    assert _gpu_run(store) == [len(sizes) - 2, len(sizes) - 1]
+    streamed.close()
+
+
 def _auto_over_disk_and_host(tmp_path, headroom_beyond_margin):
     """An auto GPU budget over the disk home and a host budget that takes the last bucket."""
     sizer = _auto(tmp_path / "sizes", "s")[3]
