@@ -573,3 +573,15 @@ def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load
         f"cannot reshard {saved}: cannot reshard the opt0 stores offline: {removed_moment_dtype({'moment_dtype': 'fp16'})}"
     )
     assert not (tmp_path / "new").exists()
+
+
+def test_ckpt_reshard_passes_a_stray_file_by_as_a_load_does(tmp_path, capsys):
+    """A note beside the stores blocked the rewrite ("not a plain directory (a load
+    refuses it)"), though loads never read it."""
+    from miles_plugins.optimizers import ckpt
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
+    (saved / "streamed_optimizer_state" / "NOTES.txt").write_text("copied from cluster A\n")
+    out = tmp_path / "new" / "iter_0000001"
+    assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(out / "streamed_optimizer_state")) == ["rank0.opt0"]
