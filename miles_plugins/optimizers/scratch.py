@@ -58,6 +58,9 @@ LOCK_MARKER = b"miles optimizer-state scratch lock\n"
 # The subdirectory of an --offload-train-disk-dir the store's scratch lives in
 # (defined here, where the purge command needs it without torch; args.py uses it).
 STATE_SUBDIR = "optimizer_state"
+# How the demo (``miles_plugins.demo``) names its scratch, ``<prefix><pid>``, directly
+# in its --dir, where the purge command finds what a killed demo left.
+DEMO_SCRATCH_PREFIX = "miles-demo-"
 
 
 class ScratchDir:

@@ -199,3 +199,36 @@ def test_setup_removes_this_ranks_scratch_of_the_layout_before_the_subdirectory(
     assert not (tmp_path / "rank0.opt0").exists() and (tmp_path / "rank1.opt0").is_dir()
     assert any("scratch of an earlier version" in r.getMessage() for r in caplog.records)
     _purge_previous_layout(str(tmp_path / "missing"), "rank0")  # nothing there: nothing to do
+
+
+def _demo_holding_its_scratch(directory) -> subprocess.Popen:
+    """``python -m miles_plugins.demo --dir directory``, once its store's scratch is locked."""
+    child = start("miles_plugins.demo", "--steps", "300", "--dir", str(directory))
+    deadline = time.monotonic() + 60
+    while not list(directory.rglob(".*.lock")):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the demo never locked a scratch ({child.wait()}):\n{child.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    return child
+
+
+def test_sigterm_to_the_demo_leaves_nothing_in_its_dir(tmp_path):
+    """The store's SIGTERM cleanup removed its scratch, but the demo's own directory
+    around it (miles-demo-XXXX/) stayed."""
+    child = _demo_holding_its_scratch(tmp_path)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_purge_of_a_demos_dir_removes_what_a_killed_demo_left(tmp_path):
+    """After a SIGKILL, `scratch purge DIR` with the demo's --dir finds its scratch (it
+    said "nothing to purge" while the state sat one level down)."""
+    child = _demo_holding_its_scratch(tmp_path)
+    child.kill()
+    child.communicate(timeout=60)
+    result = _purge(tmp_path)
+    assert result.returncode == 0 and "removed" in result.stdout, result.stdout + result.stderr
+    assert os.listdir(tmp_path) == []
