@@ -14,7 +14,7 @@ way schedulers stop jobs): see :func:`_on_sigterm`. What a SIGKILL leaves is
 reclaimed by the next run of the same rank, or by the purge command a job
 epilog can run::
 
-    python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]   (DIR/optimizer_state too)
+    python -m miles_plugins.optimizers.scratch purge DIR[,DIR...] [DIR ...]   (DIR/optimizer_state too)
 
 It removes only scratch whose lock no process holds, owned by the caller,
 never following symlinks, and says what it removed. No torch is imported.
@@ -316,12 +316,16 @@ def main(argv: list[str] | None = None) -> int:
         "directories",
         nargs="+",
         metavar="DIR",
-        help="an --offload-train-disk-dir (its optimizer_state/ subdirectory, where the store lives, is purged too)",
+        help="an --offload-train-disk-dir, or its comma-separated list (its optimizer_state/ subdirectory, "
+        "where the store lives, is purged too)",
     )
     args = parser.parse_args(argv)
     status = 0
     directories = []
-    for directory in args.directories:
+    for given in args.directories:
+        if "" in given.split(","):
+            parser.error(f"{given!r}: an empty part in the comma-separated list; remove the stray comma")
+    for directory in (part for given in args.directories for part in given.split(",")):
         directories.append(directory)
         if os.path.isdir(os.path.join(directory, STATE_SUBDIR)) and not os.path.islink(
             os.path.join(directory, STATE_SUBDIR)

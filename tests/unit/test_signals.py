@@ -187,6 +187,18 @@ def test_purge_of_an_offload_dir_covers_the_stores_subdirectory(tmp_path):
     assert not (tmp_path / "optimizer_state" / "rank0.opt0").exists()
 
 
+def test_purge_takes_a_comma_separated_list_as_offload_train_disk_dir_does(tmp_path):
+    """`purge /nvme0/x,/nvme1/x` (the flag's value, pasted) said "does not exist", exit 0."""
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    _stale_scratch(a / "optimizer_state", "rank0.opt0")
+    _stale_scratch(b / "optimizer_state", "rank0.opt0")
+    result = _purge(f"{a},{b}")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(a / "optimizer_state") == [] and os.listdir(b / "optimizer_state") == [], result.stdout
+    empty_part = _purge(f"{a},")
+    assert empty_part.returncode == 2 and "an empty part" in empty_part.stderr
+
+
 def test_setup_removes_this_ranks_scratch_of_the_layout_before_the_subdirectory(tmp_path, caplog):
     """Earlier versions kept <dir>/rank<k>.opt<i> directly in the offload dir; a killed
     run's leftovers there are this rank's to reclaim (other ranks' are left to them)."""
