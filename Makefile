@@ -42,9 +42,12 @@ revert-patches:
 	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
 	$(MEGATRON_CLI) revert --megatron-dir "$(MEGATRON_DIR)"
 
+# The command's exit status 1 means "not (or not fully) patched": a report, not a failure
+# of make (whose "*** Error 1" after it reads like a crash); 2, it could not run, fails.
 patch-status:
 	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }
-	$(MEGATRON_CLI) status --megatron-dir "$(MEGATRON_DIR)"
+	@$(MEGATRON_CLI) status --megatron-dir "$(MEGATRON_DIR)" || { status=$$?; test $$status -eq 1 || exit $$status; \
+		echo "(not patched as this version needs: make apply-patches MEGATRON_DIR=$(MEGATRON_DIR) applies the series)"; }
 
 drift: venv
 	@test -n "$(MEGATRON_DIR)" || { echo "usage: make $@ MEGATRON_DIR=/path/to/Megatron-LM"; exit 2; }

@@ -9,7 +9,10 @@ batches, and trains it for N steps twice from the same seed:
 
 - *resident*: the usual mixed-precision loop, fp32 mains and AdamW state in memory;
 - *streamed*: the same AdamW wrapped in ``StreamedOptimizer``, its state in
-  bucket files under a scratch directory the demo creates and removes.
+  bucket files in a scratch directory ``miles-demo-<pid>`` in each ``--dir``,
+  which the store creates (before the resident run: a directory it cannot use
+  is refused before any training) and removes (also on SIGTERM; what a SIGKILL
+  leaves, ``python -m miles_plugins.optimizers.scratch purge DIR`` removes).
 
 Both runs use two param groups (decayed weights, undecayed biases) and a
 warmup-then-decay learning-rate schedule. The last line printed is one JSON
@@ -25,7 +28,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.config import AUTO, ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
 from miles_plugins.optimizers.fs import parse_size
+from miles_plugins.optimizers.scratch import DEMO_SCRATCH_PREFIX
 
 VOCAB = 512
 WIDTH = 128
@@ -136,43 +139,49 @@ def train_resident(device: torch.device, data: list) -> dict:
     }
 
 
-def train_streamed(device: torch.device, data: list, config: StreamConfig) -> dict:
+def build_streamed(device: torch.device, config: StreamConfig) -> tuple[TinyLM, StreamedOptimizer]:
+    """The streamed run's model and optimizer. Building the store checks its
+    directories (free space included) and writes the initial mains, so the demo
+    does it before any training."""
     model = build_model(device)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=LR)
+    return model, StreamedOptimizer(torch.optim.AdamW(param_groups(model), lr=LR), config)
+
+
+def train_streamed(device: torch.device, data: list, model: TinyLM, streamed: StreamedOptimizer) -> dict:
+    optimizer = streamed.optimizer
     losses, step_peaks = [], []
-    with StreamedOptimizer(optimizer, config) as streamed:
-        # After wrapping: the scheduler then wraps the streamed step.
-        scheduler = schedule(optimizer, len(data))
-        start = time.perf_counter()
-        for step, (tokens, targets) in enumerate(data, 1):
-            loss = loss_of(model, tokens, targets)
-            loss.backward()
-            with measured_step_peak(device, step_peaks, reset=streamed.store.auto_gpu is None):
-                optimizer.step()  # the streamed step: StreamedOptimizer rebinds it
-            optimizer.zero_grad()
-            scheduler.step()
-            losses.append(loss.item())
-            if step % max(1, len(data) // 10) == 0 or step == len(data):
-                print(f"  streamed step {step}/{len(data)}: loss {losses[-1]:.4f}", flush=True)
-        seconds = time.perf_counter() - start
-        by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
-        store = streamed.store
-        return {
-            "params": [p.detach().cpu() for p in model.parameters()],
-            "state": [by_param[id(p)] for p in model.parameters()],
-            "losses": losses,
-            "seconds": seconds,
-            "buckets": len(store.buckets),
-            "placement": store.placement,
-            "state_bytes_total": store.state_bytes_total,
-            "bucket_bytes_max": store.bucket_bytes_max,
-            "accounted_max_state_bytes": store.accounted_max_state_bytes,
-            "measured_step_peak_bytes": max(step_peaks) if step_peaks else None,
-            "step_device_bytes_bound": store.step_device_bytes_bound,
-            "file_bytes_total": store.file_bytes_total,
-            "bytes_read": store.total.bytes_read,
-            "bytes_written": store.total.bytes_written,
-        }
+    # After wrapping: the scheduler then wraps the streamed step.
+    scheduler = schedule(optimizer, len(data))
+    start = time.perf_counter()
+    for step, (tokens, targets) in enumerate(data, 1):
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        with measured_step_peak(device, step_peaks, reset=streamed.store.auto_gpu is None):
+            optimizer.step()  # the streamed step: StreamedOptimizer rebinds it
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+        if step % max(1, len(data) // 10) == 0 or step == len(data):
+            print(f"  streamed step {step}/{len(data)}: loss {losses[-1]:.4f}", flush=True)
+    seconds = time.perf_counter() - start
+    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
+    store = streamed.store
+    return {
+        "params": [p.detach().cpu() for p in model.parameters()],
+        "state": [by_param[id(p)] for p in model.parameters()],
+        "losses": losses,
+        "seconds": seconds,
+        "buckets": len(store.buckets),
+        "placement": store.placement,
+        "state_bytes_total": store.state_bytes_total,
+        "bucket_bytes_max": store.bucket_bytes_max,
+        "accounted_max_state_bytes": store.accounted_max_state_bytes,
+        "measured_step_peak_bytes": max(step_peaks) if step_peaks else None,
+        "step_device_bytes_bound": store.step_device_bytes_bound,
+        "file_bytes_total": store.file_bytes_total,
+        "bytes_read": store.total.bytes_read,
+        "bytes_written": store.total.bytes_written,
+    }
 
 
 @contextlib.contextmanager
@@ -224,9 +233,7 @@ def _bad_directories(parents: list[str]) -> str | None:
     return next((f"{p} is not a directory" for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
 
 
-def _remove(scratches: list[str], created: list[str]) -> None:
-    for scratch in scratches:
-        shutil.rmtree(scratch, ignore_errors=True)
+def _remove(created: list[str]) -> None:
     for directory in created:
         with contextlib.suppress(OSError):
             os.rmdir(directory)  # only if empty: never what was there before
@@ -308,35 +315,29 @@ def main(argv: list[str] | None = None) -> int:
     except StreamConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # Removed again at the end (when empty), deepest first.
+    # The parents the demo creates (the store makes its directories), removed again at the
+    # end when empty, deepest first.
     created = sorted({d for parent in parents for d in missing_dirs(parent)}, key=len, reverse=True)
-    scratches: list[str] = []  # one per directory
+    # The store's scratch sits right in each --dir, named for this process, so that the
+    # store's own cleanup (close, exit, SIGTERM) removes all of it, and what a SIGKILL
+    # leaves is found by `python -m miles_plugins.optimizers.scratch purge DIR`.
+    config = dataclasses.replace(config, name=f"{DEMO_SCRATCH_PREFIX}{os.getpid()}")
     try:
-        for parent in parents:
-            os.makedirs(parent, exist_ok=True)
-            scratches.append(tempfile.mkdtemp(prefix="miles-demo-", dir=parent))
-    except OSError as exc:
-        print(f"error: cannot create a scratch directory under {parent}: {exc.strerror}", file=sys.stderr)
-        _remove(scratches, created)
-        return 2
-    except BaseException:  # an interrupt (a hung mount): nothing made so far stays behind
-        _remove(scratches, created)
-        raise
-    scratch = ",".join(scratches)
-    try:
-        config = dataclasses.replace(config, directory=scratch)
         data = batches(args.steps, device)
-        print(
-            f"training a {sum(p.numel() for p in build_model(device).parameters()):,}-param bf16 model on {device} for {args.steps} steps"
-        )
-        print("resident run (fp32 mains and AdamW state in memory)...", flush=True)
-        resident = train_resident(device, data)
-        where = scratch if args.tier == "disk" else "pinned host memory"
-        if args.gpu_budget or args.host_budget:
-            gpu, host = (b if b == AUTO else f"{b:,} bytes" for b in (args.gpu_budget, args.host_budget))
-            where += f", up to {gpu} on the {device.type} and {host} in host memory"
-        print(f"streamed run ({args.engine} engine, state in {where})...", flush=True)
-        streamed = train_streamed(device, data, config)
+        model, streamed_optimizer = build_streamed(device, config)  # refuses a --dir it cannot use, before training
+        with streamed_optimizer:
+            print(
+                f"training a {sum(p.numel() for p in model.parameters()):,}-param bf16 model on {device} for "
+                f"{args.steps} steps"
+            )
+            print("resident run (fp32 mains and AdamW state in memory)...", flush=True)
+            resident = train_resident(device, data)
+            where = streamed_optimizer.store.location
+            if args.gpu_budget or args.host_budget:
+                gpu, host = (b if b == AUTO else f"{b:,} bytes" for b in (args.gpu_budget, args.host_budget))
+                where += f", up to {gpu} on the {device.type} and {host} in host memory"
+            print(f"streamed run ({args.engine} engine, state in {where})...", flush=True)
+            streamed = train_streamed(device, data, model, streamed_optimizer)
     except (StreamConfigError, StreamIOError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; the scratch directories are removed", file=sys.stderr)
         return 130
     finally:
-        _remove(scratches, created)
+        _remove(created)
 
     identical = compare(resident, streamed)
     report = {

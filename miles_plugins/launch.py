@@ -313,6 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"miles_plugins.launch: {exc}", file=sys.stderr)
         return 1
+    except SyntaxError as exc:
+        if exc.filename is None or os.path.abspath(exc.filename) != os.path.abspath(script):
+            raise  # a module the script imports: its traceback says where
+        print(
+            f"miles_plugins.launch: {script} is not a Python script (line {exc.lineno}: {exc.msg}); give the "
+            "training script (pretrain_gpt.py or a sibling)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

@@ -43,9 +43,12 @@ def fault_report(request):
     tmp = str(request.getfixturevalue("tmp_path")) if "tmp_path" in request.fixturenames else None
 
     def record(scenario: str, expected: str, observed: str, data_lost: str) -> None:
+        rows = request.config.stash[FAULT_ROWS]
+        # Each row names one scenario: two of one name read as one scenario printed twice.
+        assert scenario not in (row[0] for row in rows), f"fault scenario {scenario!r} reported twice"
         if tmp:
             observed = observed.replace(tmp, "<tmp>")
-        request.config.stash[FAULT_ROWS].append((scenario, expected, observed, data_lost))
+        rows.append((scenario, expected, observed, data_lost))
 
     return record
 

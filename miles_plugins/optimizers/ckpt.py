@@ -9,7 +9,9 @@ problem with the checkpoint or the output (nothing is left in ``--out`` then),
 2 on bad usage, 130 on Ctrl-C and 143 on SIGTERM (the partial output removed).
 
 ``DIR`` is a checkpoint's iteration directory (its ``streamed_optimizer_state/``
-is read), that directory itself, or one saved store. For every saved store it
+is read), that directory itself, the directory given to
+``StreamedOptimizer.save_to``, or one saved store. Entries no load reads (a
+note copied in beside the stores) are listed as ignored. For every saved store it
 prints the topology, the storage formats, the layout and the step count, and
 checks what a load would: the manifest's own checksum, that it is the store
 its directory is named after, its file table against its layout, and each
@@ -39,27 +41,48 @@ from miles_plugins.optimizers.io import file_crcs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 
 _STORE_NAME = re.compile(r"rank(\d+)\.(opt\d+)")
+# The names a load reads in a state directory: its own store's, and for a resharded
+# load every ``<...>.opt<i>`` of its optimizer (reshard_load.find_peers), each refused
+# when it is not a plain directory. Loads read nothing else there.
+_LOAD_READS = re.compile(r".+\.opt\d+")
 
 
 class NotAStateDir(Exception):
     """DIR holds no saved streamed optimizer state where one is looked for."""
 
 
-def stores_under(directory: str) -> list[tuple[str, str]]:
+def stores_under(directory: str) -> tuple[list[tuple[str, str]], list[str]]:
     """(store name, the directory a load would read) for every saved store
-    ``directory`` holds or is: one store, a ``streamed_optimizer_state/``, or an
-    iteration directory holding one. A store whose save was cut off while
-    replacing the previous one is read from ``.<name>.previous``, as a load does."""
+    ``directory`` holds or is: one store, a ``streamed_optimizer_state/``, an
+    iteration directory holding one, or the directory given to
+    ``StreamedOptimizer.save_to`` (its stores are the directories holding a
+    manifest); with a note for each other entry, which no load reads. A store
+    whose save was cut off while replacing the previous one is read from
+    ``.<name>.previous``, as a load does. Raises :class:`NotAStateDir` when
+    ``directory`` is none of these."""
     if os.path.lexists(os.path.join(directory, MANIFEST_NAME)):
-        return [(os.path.basename(os.path.normpath(directory)), directory)]
+        return [(os.path.basename(os.path.normpath(directory)), directory)], []
     if os.path.isdir(os.path.join(directory, STATE_DIRNAME)):
         directory = os.path.join(directory, STATE_DIRNAME)
-    elif os.path.basename(os.path.normpath(directory)) != STATE_DIRNAME:
+    state_dir = os.path.basename(os.path.normpath(directory)) == STATE_DIRNAME
+    stores, ignored = [], []
+    for name, path in sorted(saved_dirs(directory).items()):  # as persistence reads them
+        if _not_plain_dir(path) and not _LOAD_READS.fullmatch(name):
+            ignored.append(
+                f"ignoring {path}: not a directory, so no saved store (a load reads only the store named after "
+                "it, and a resharded load only the <...>.opt<N> ones)"
+            )
+        elif state_dir or os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+            stores.append((name, path))
+        else:
+            ignored.append(f"ignoring {path}: it holds no {MANIFEST_NAME}, so no saved store")
+    if not state_dir and not stores:
         raise NotAStateDir(
             f"{directory} is not a saved streamed optimizer state: give a checkpoint's iteration directory "
-            f"(…/iter_0001000, holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, or one store in it"
+            f"(…/iter_0001000, holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, the directory given "
+            "to StreamedOptimizer.save_to, or one store in either"
         )
-    return sorted(saved_dirs(directory).items())  # as persistence reads them
+    return stores, ignored
 
 
 def missing_ranks(names: list[str], world_size: object) -> list[int]:
@@ -159,13 +182,15 @@ def check_store(name: str, path: str) -> tuple[list[str], Manifest | None]:
 
 def inspect(directory: str) -> int:
     try:
-        stores = stores_under(directory)
+        stores, ignored = stores_under(directory)
     except (NotAStateDir, OSError) as exc:
         print(exc, file=sys.stderr)
         return 1
     if not stores:
         print(f"no saved streamed optimizer state under {directory}", file=sys.stderr)
         return 1
+    for note in ignored:
+        print(f"note: {note}", flush=True)
     failed, world_sizes, steps, topologies = 0, set(), set(), {}
     for name, path in stores:
         start = time.perf_counter()
@@ -212,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     inspect_parser = commands.add_parser("inspect", help="describe and verify every saved store under DIR")
-    inspect_parser.add_argument("dir", metavar="DIR")
+    inspect_parser.add_argument(
+        "dir",
+        metavar="DIR",
+        help=f"a checkpoint's iteration directory (holding {STATE_DIRNAME}/), that {STATE_DIRNAME}/ directory, "
+        "the directory given to StreamedOptimizer.save_to, or one saved store",
+    )
     reshard_parser = commands.add_parser(
         "reshard", help="rewrite the saved state under DIR for another data-parallel size, into --out"
     )
@@ -256,7 +286,7 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
     if handle:
         signal.signal(signal.SIGTERM, _terminated)
     try:
-        stores = stores_under(directory)
+        stores, _ = stores_under(directory)
         if not stores:
             raise NotAStateDir(f"no saved streamed optimizer state under {directory}")
         for _, path in stores:  # what a load would read, and nothing else

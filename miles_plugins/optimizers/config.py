@@ -121,8 +121,9 @@ class StreamConfig:
         bucket_cap_elements: the most elements in one streaming bucket, except
             that a param is never split: one larger than the cap gets a bucket
             of its own. Buckets bound the optimizer state on the device
-            (``buckets_in_flight`` of them at once): a cap so large that every
-            bucket is in flight at once is warned about.
+            (``buckets_in_flight`` of them at once): a cap other than the
+            default so large that every bucket is in flight at once, where a
+            lower one would split the state further, is warned about.
         staging_budget_mb: host staging memory for transfers, in all (pinned on
             CUDA): the pipelined engine splits it into a chunk per I/O thread
             and direction, each chunk one transfer request (``STAGING_REQUEST_MB``

@@ -201,6 +201,21 @@ def _has_fp32_params(description: dict[str, Any]) -> bool:
     return bool(description.get("resident_numels")) or any(b.get("main") is False for b in layout)
 
 
+def removed_moment_dtype(saved: dict[str, Any]) -> str | None:
+    """Why a save whose moments are stored in a dtype this version no longer offers
+    (``REMOVED_MOMENT_DTYPES``) cannot be read, with what to do instead; None for
+    any other save. ``saved``: a manifest's data."""
+    dtype = saved.get("moment_dtype")
+    if dtype not in REMOVED_MOMENT_DTYPES:
+        return None
+    return (
+        f"the checkpoint stores its moments as {dtype}, which this version no longer reads: "
+        f"{REMOVED_MOMENT_DTYPES[dtype]}. Start the optimizer fresh from the checkpoint's params "
+        "(Megatron: --no-load-optim; plain PyTorch: skip load_from), or resume it with the version "
+        "that wrote it"
+    )
+
+
 def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = True) -> list[str]:
     """Every compared field where ``saved`` and ``live`` differ, described; with
     ``sharding`` False, only those a resharded load cannot bridge (formats, optimizer)."""
@@ -217,13 +232,8 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
     for key, label in COMPARED_FIELDS:
         if saved.get(key) == live.get(key) or (not sharding and key in SHARDING_FIELDS):
             continue
-        if key == "moment_dtype" and saved.get(key) in REMOVED_MOMENT_DTYPES:
-            found.append(
-                f"the checkpoint stores its moments as {saved[key]}, which this version no longer reads: "
-                f"{REMOVED_MOMENT_DTYPES[saved[key]]}. Start the optimizer fresh from the checkpoint's params "
-                "(Megatron: --no-load-optim; plain PyTorch: skip load_from), or resume it with the version "
-                "that wrote it"
-            )
+        if key == "moment_dtype" and (removed := removed_moment_dtype(saved)):
+            found.append(removed)
         elif key == "layout":
             found.append(_layout_difference(saved.get(key) or [], live.get(key) or []))
         elif key == "topology":

@@ -49,7 +49,14 @@ from miles_plugins.optimizers.fs import (
 )
 from miles_plugins.optimizers.io import file_crcs, pwrite_full
 from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_store
-from miles_plugins.optimizers.manifest import CHECKSUM_KEY, CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, differences
+from miles_plugins.optimizers.manifest import (
+    CHECKSUM_KEY,
+    CRC_BLOCK_BYTES,
+    RESIDENT_FILE,
+    Manifest,
+    differences,
+    removed_moment_dtype,
+)
 from miles_plugins.optimizers.reshard import Piece
 from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
 
@@ -261,7 +268,9 @@ def _check(position: str, peers: list[Peer]) -> None:
     problems = []
     for peer in peers[1:]:
         problems += [f"{os.path.basename(peer.directory)}: {p}" for p in differences(peer.data, first, sharding=False)]
-    if peers_of is None:
+    if removed := removed_moment_dtype(first):
+        problems.append(removed)  # the moments' format is unknown to the layout below
+    elif peers_of is None:
         problems.append(
             "its saves record no parallel topology: a plain-PyTorch save (StreamedOptimizer, no data "
             "parallelism to reshard), or one from before checkpoints recorded param ranges (format 3)"

@@ -14,7 +14,7 @@ way schedulers stop jobs): see :func:`_on_sigterm`. What a SIGKILL leaves is
 reclaimed by the next run of the same rank, or by the purge command a job
 epilog can run::
 
-    python -m miles_plugins.optimizers.scratch purge DIR [DIR ...]   (DIR/optimizer_state too)
+    python -m miles_plugins.optimizers.scratch purge DIR[,DIR...] [DIR ...]   (DIR/optimizer_state too)
 
 It removes only scratch whose lock no process holds, owned by the caller,
 never following symlinks, and says what it removed. Neither purge deletes a
@@ -64,6 +64,9 @@ LOCK_MARKER = b"miles optimizer-state scratch lock\n"
 # The subdirectory of an --offload-train-disk-dir the store's scratch lives in
 # (defined here, where the purge command needs it without torch; args.py uses it).
 STATE_SUBDIR = "optimizer_state"
+# How the demo (``miles_plugins.demo``) names its scratch, ``<prefix><pid>``, directly
+# in its --dir, where the purge command finds what a killed demo left.
+DEMO_SCRATCH_PREFIX = "miles-demo-"
 
 
 class ScratchDir:
@@ -376,12 +379,16 @@ def main(argv: list[str] | None = None) -> int:
         "directories",
         nargs="+",
         metavar="DIR",
-        help="an --offload-train-disk-dir (its optimizer_state/ subdirectory, where the store lives, is purged too)",
+        help="an --offload-train-disk-dir, or its comma-separated list (its optimizer_state/ subdirectory, "
+        "where the store lives, is purged too)",
     )
     args = parser.parse_args(argv)
     status = 0
     directories = []
-    for directory in args.directories:
+    for given in args.directories:
+        if "" in given.split(","):
+            parser.error(f"{given!r}: an empty part in the comma-separated list; remove the stray comma")
+    for directory in (part for given in args.directories for part in given.split(",")):
         directories.append(directory)
         if os.path.isdir(os.path.join(directory, STATE_SUBDIR)) and not os.path.islink(
             os.path.join(directory, STATE_SUBDIR)

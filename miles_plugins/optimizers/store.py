@@ -630,9 +630,12 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
             resident_numel,
             resident_numel * MATERIALIZED_BYTES_PER_ELEMENT / 1e9,
         )
-    # A small model fits in the buckets in flight at any cap; say so only where a
-    # raised cap is what put the whole state on the device.
-    if buckets and len(buckets) <= config.depth and config.bucket_cap_elements > DEFAULT_BUCKET_CAP_ELEMENTS:
+    # Every bucket in flight puts the whole streamed state on the device. Said where a
+    # chosen cap did it and a lower one would not: a param is never split, so with no
+    # more params than buckets in flight no cap helps; at the default cap (sized for
+    # large models) a state this small is left unsaid.
+    params = sum(len(b.entry_indices) for b in buckets)
+    if len(buckets) <= config.depth < params and config.bucket_cap_elements != DEFAULT_BUCKET_CAP_ELEMENTS:
         logger.warning(
             "all %d buckets fit in the %d in flight: the whole streamed state (%.2f GB) is on the device "
             "during a step, as without streaming; lower the bucket cap (now %d elements; a param is never "

@@ -117,6 +117,44 @@ def test_what_a_load_would_refuse_or_read_instead_is_what_inspect_reports(checkp
     )
 
 
+def test_a_stray_file_beside_the_stores_is_ignored_as_a_load_ignores_it(checkpoint):
+    """A note copied in with the state is no store, and no load reads it; a file in
+    the place of a store (a name a load reads) is still the problem a load meets."""
+    state = checkpoint / STATE_DIRNAME
+    (state / "NOTES.txt").write_text("copied from cluster A\n")
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 0, result.stdout
+    assert f"note: ignoring {state / 'NOTES.txt'}: not a directory, so no saved store" in result.stdout
+    assert "PROBLEM" not in result.stdout and "2 of 2 saved stores verify" in result.stdout
+    (state / "rank2.opt0").write_text("")
+    result = _inspect("inspect", str(checkpoint))
+    assert result.returncode == 1
+    assert f"PROBLEM: {state / 'rank2.opt0'} is not a plain directory (a load refuses it)" in result.stdout
+
+
+def test_what_streamed_optimizer_save_to_wrote_is_described_and_verified(tmp_path):
+    """The plain-PyTorch front end saves ``<dir>/<name>/``: inspect takes that ``dir``,
+    passes over what else the caller keeps there, and finds a flipped byte."""
+    param = torch.nn.Parameter(torch.randn(3000, dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW([param])
+    config = StreamConfig(directory=str(tmp_path / "scratch"))
+    with StreamedOptimizer(optimizer, config) as streamed:
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+        streamed.save_to(str(tmp_path / "saved"))
+    torch.save({"step": 1}, tmp_path / "saved" / "model.pt")  # the caller's own checkpoint beside it
+    result = _inspect("inspect", str(tmp_path / "saved"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 of 1 saved stores verify" in result.stdout and "note: ignoring" in result.stdout
+    path = tmp_path / "saved" / config.name / "bucket_00000.bin"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 1
+    path.write_bytes(bytes(data))
+    result = _inspect("inspect", str(tmp_path / "saved"))
+    assert result.returncode == 1 and "PROBLEM: bucket_00000.bin fails its checksum" in result.stdout
+    assert "StreamedOptimizer.save_to" in _inspect("inspect", "--help").stdout
+
+
 def test_a_rank_without_a_store_is_reported(checkpoint):
     state = checkpoint / STATE_DIRNAME
     for store in ("rank0.opt0", "rank1.opt0"):  # a topology of two ranks, as Megatron records it

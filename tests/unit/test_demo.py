@@ -3,6 +3,8 @@
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -114,6 +116,26 @@ def test_demo_refuses_a_bad_bucket_cap_cleanly(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_demo_refuses_a_dir_too_small_for_its_state_before_training(tmp_path):
+    """The store's free-space check ran only when the streamed run began, after the
+    whole resident run; the demo builds its store first. The --dir is a 1 MiB tmpfs
+    (in a private mount namespace), the state needs about 16 MB."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small filesystem")
+    small = tmp_path / "small"
+    small.mkdir()
+    demo = shlex.join([sys.executable, "-m", "miles_plugins.demo", "--steps", "2", "--dir", str(small)])
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(small))} && exec {demo}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=REPO,
+    )
+    assert result.returncode == 2 and "not enough free space" in result.stderr, result.stdout + result.stderr
+    assert "resident run" not in result.stdout and "Traceback" not in result.stderr
+
+
 def test_demo_spreads_buckets_over_several_directories_and_removes_what_it_made(tmp_path):
     a, b = tmp_path / "a", tmp_path / "made" / "b"
     result = _demo("--steps", "2", "-v", "--dir", f"{a},{b}")
@@ -147,19 +169,19 @@ def test_demo_refuses_bad_directory_lists_before_creating_anything(tmp_path, dir
 
 def test_an_interrupt_while_the_demo_makes_its_directories_leaves_none_behind(tmp_path, monkeypatch):
     """Ctrl-C on a slow mount, between the first directory's scratch and the second's
-    (the interrupt is raised by the second mkdtemp, standing in for the signal)."""
+    (the interrupt is raised by the second one's creation, standing in for the signal)."""
     from miles_plugins import demo
+    from miles_plugins.optimizers import placement
 
     made = []
-    real_mkdtemp = demo.tempfile.mkdtemp
 
-    def mkdtemp(**kw):
+    def scratch_dir(*args):
         if made:
             raise KeyboardInterrupt
-        made.append(real_mkdtemp(**kw))
+        made.append(real_scratch_dir(*args))
         return made[-1]
 
-    monkeypatch.setattr(demo.tempfile, "mkdtemp", mkdtemp)
-    with pytest.raises(KeyboardInterrupt):
-        demo.main(["--steps", "1", "--dir", f"{tmp_path}/p/a,{tmp_path}/p/b"])
+    real_scratch_dir = placement.ScratchDir
+    monkeypatch.setattr(placement, "ScratchDir", scratch_dir)
+    assert demo.main(["--steps", "1", "--dir", f"{tmp_path}/p/a,{tmp_path}/p/b"]) == 130
     assert made and os.listdir(tmp_path) == [], "the scratch and the parents made for it must be gone"

@@ -454,15 +454,21 @@ def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path
 
 
 @pytest.mark.parametrize(
-    "config, why",
+    "config, mode, why",
     [
-        ({"tier": "host"}, "buckets at home in host or device memory are written in place"),
-        ({"gpu_budget_bytes": 1 << 20}, "buckets at home in host or device memory are written in place"),
-        ({"main_storage": "remainder"}, "remainder mains need the params the step overwrote"),
+        ({"tier": "host"}, "host tier", "buckets at home in host or device memory are written in place"),
+        (
+            {"gpu_budget_bytes": 1 << 20},
+            "device home (GPU budget)",
+            "buckets at home in host or device memory are written in place",
+        ),
+        ({"main_storage": "remainder"}, "remainder mains", "remainder mains need the params the step overwrote"),
     ],
     ids=["host-tier", "gpu-home", "remainder-mains"],
 )
-def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, monkeypatch, fault_report, config, why):
+def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(
+    tmp_path, monkeypatch, fault_report, config, mode, why
+):
     from miles_plugins.optimizers import pipeline as pipeline_module
 
     config = {**config, "bucket_cap_elements": 500}  # small buckets: the failure comes after some updates
@@ -486,7 +492,7 @@ def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(tmp_path, mon
     streamed.close()
     _resume_from_checkpoint_matches(tmp_path, ckpt, **config)
     fault_report(
-        f"a step fails part way ({'host tier' if 'host' in why else 'remainder mains'})",
+        f"a step fails part way ({mode})",
         "no roll-back possible: the store refuses to go on, saying why; the last checkpoint resumes",
         f"the next step refused: ...after updating some buckets, and {why}; the last checkpoint resumes byte-identical",
         "the steps since the last checkpoint (documented trade-off of this mode)",

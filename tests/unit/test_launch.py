@@ -119,6 +119,19 @@ def test_a_missing_script_is_refused_with_exit_2(tmp_path):
     assert result.returncode == 2 and "is not a file" in result.stderr
 
 
+def test_a_script_that_is_not_python_is_refused_in_one_line_with_exit_2(tmp_path):
+    """`python -m miles_plugins.launch README.md` printed a SyntaxError traceback. A
+    script that imports a broken module still shows that module's traceback."""
+    readme = os.path.join(REPO, "README.md")
+    result = _launch(readme)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"miles_plugins.launch: {readme} is not a Python script (line ")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    (tmp_path / "imports_broken.py").write_text("import broken\n")
+    result = _launch(str(tmp_path / "imports_broken.py"))
+    assert result.returncode == 1 and "Traceback" in result.stderr and "broken.py" in result.stderr
+
+
 def test_the_script_runs_unmodified_with_the_streaming_flags_on_megatrons_parser(tmp_path):
     script = _tree(tmp_path)
     result = _launch(script, "--mine", "y", "--stream-optimizer-state-tier", "host")

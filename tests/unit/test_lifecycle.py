@@ -159,6 +159,17 @@ def test_a_bucket_cap_that_puts_every_bucket_in_flight_is_warned_about(tmp_path,
         _, streamed = _streamed(tmp_path, _model(), cap=DEFAULT_BUCKET_CAP_ELEMENTS)
     assert len(streamed.store.buckets) == 1 and "fit in the" not in caplog.text
     streamed.close()
+    # A chosen cap below the default that still takes the whole state (the demo's
+    # --bucket-cap 10000000) is as large for this model, and went unsaid.
+    with caplog.at_level(logging.WARNING):
+        _, streamed = _streamed(tmp_path, _model(), cap=10_000_000)
+    assert len(streamed.store.buckets) == 1 and "all 1 buckets fit in the 3 in flight" in caplog.text
+    streamed.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # no cap can split two params into more than 3 buckets
+        _, streamed = _streamed(tmp_path, torch.nn.Linear(32, 32).to(torch.bfloat16), cap=10_000_000)
+    assert "fit in the" not in caplog.text
+    streamed.close()
 
 
 def test_a_closed_store_refuses_to_step(tmp_path):

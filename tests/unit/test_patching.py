@@ -107,6 +107,29 @@ def test_cli_exit_codes(tree, capsys):
     assert "no megatron/training/checkpointing.py" in capsys.readouterr().err
 
 
+def test_make_patch_status_reports_an_unpatched_tree_without_failing_make(tmp_path):
+    """`make patch-status` on an unpatched tree printed "not patched" and then make's
+    "*** Error 1", which reads like a crash; a tree the command cannot read still fails."""
+    import os
+    import sys
+
+    from tests.unit.test_bad_input import REPO
+
+    checkpointing = tmp_path / patching.TARGET
+    checkpointing.parent.mkdir(parents=True)
+    checkpointing.write_text("def save_checkpoint():\n    pass\n\n\ndef load_checkpoint():\n    pass\n")
+    make = ["make", "-s", "-C", REPO, "patch-status", f"MEGATRON_DIR={tmp_path}", f"PYTHON={sys.executable}"]
+    make.append(f"VENV={tmp_path / 'no-venv'}")  # the command runs with this interpreter
+    env = {**os.environ, "PYTHONPATH": REPO}
+    result = subprocess.run(make, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{checkpointing}: not patched" in result.stdout and "make apply-patches" in result.stdout
+    assert "Error" not in result.stdout + result.stderr
+    checkpointing.write_text("def broken(:\n")
+    result = subprocess.run(make, capture_output=True, text=True, env=env)
+    assert result.returncode != 0 and "is not valid Python" in result.stderr
+
+
 def test_what_a_tree_or_a_series_can_break_is_one_line_and_exit_2(tree, tmp_path, capsys):
     """Exit 1 means "not patched" (status) or drift: a crash must not look like either."""
     a_file = tmp_path / "series-file"

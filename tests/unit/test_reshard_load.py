@@ -553,3 +553,35 @@ def test_ckpt_reshard_goes_on_unlocked_where_the_filesystem_has_no_flock(tmp_pat
     assert sorted(os.listdir(out)) == ["streamed_optimizer_state"], "no lock file, no partial output left"
     monkeypatch.undo()
     assert ckpt.main(["inspect", str(out)]) == 0
+
+
+def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load_refuses_it(tmp_path):
+    """A save from a version that offered fp16 moments: the command says what the online
+    load says (it died with a KeyError traceback), exit 1 as for any checkpoint it cannot read."""
+    from miles_plugins.optimizers.manifest import removed_moment_dtype
+    from tests.unit.test_checkpoint import rewrite_manifest
+    from tests.unit.test_ckpt_cli import _inspect as ckpt_cli
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
+    for r in range(2):
+        path = saved / "streamed_optimizer_state" / f"rank{r}.opt0" / "manifest.json"
+        rewrite_manifest(path, lambda d: d.update(moment_dtype="fp16"))
+    out = tmp_path / "new" / "iter_0000001"
+    result = ckpt_cli("reshard", str(saved), "--dp", "1", "--out", str(out))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        f"cannot reshard {saved}: cannot reshard the opt0 stores offline: {removed_moment_dtype({'moment_dtype': 'fp16'})}"
+    )
+    assert not (tmp_path / "new").exists()
+
+
+def test_ckpt_reshard_passes_a_stray_file_by_as_a_load_does(tmp_path, capsys):
+    """A note beside the stores blocked the rewrite ("not a plain directory (a load
+    refuses it)"), though loads never read it."""
+    from miles_plugins.optimizers import ckpt
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
+    (saved / "streamed_optimizer_state" / "NOTES.txt").write_text("copied from cluster A\n")
+    out = tmp_path / "new" / "iter_0000001"
+    assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert sorted(os.listdir(out / "streamed_optimizer_state")) == ["rank0.opt0"]

@@ -187,6 +187,18 @@ def test_purge_of_an_offload_dir_covers_the_stores_subdirectory(tmp_path):
     assert not (tmp_path / "optimizer_state" / "rank0.opt0").exists()
 
 
+def test_purge_takes_a_comma_separated_list_as_offload_train_disk_dir_does(tmp_path):
+    """`purge /nvme0/x,/nvme1/x` (the flag's value, pasted) said "does not exist", exit 0."""
+    a, b = tmp_path / "nvme0", tmp_path / "nvme1"
+    _stale_scratch(a / "optimizer_state", "rank0.opt0")
+    _stale_scratch(b / "optimizer_state", "rank0.opt0")
+    result = _purge(f"{a},{b}")
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(a / "optimizer_state") == [] and os.listdir(b / "optimizer_state") == [], result.stdout
+    empty_part = _purge(f"{a},")
+    assert empty_part.returncode == 2 and "an empty part" in empty_part.stderr
+
+
 def test_setup_removes_this_ranks_scratch_of_the_layout_before_the_subdirectory(tmp_path, caplog):
     """Earlier versions kept <dir>/rank<k>.opt<i> directly in the offload dir; a killed
     run's leftovers there are this rank's to reclaim (other ranks' are left to them)."""
@@ -199,3 +211,36 @@ def test_setup_removes_this_ranks_scratch_of_the_layout_before_the_subdirectory(
     assert not (tmp_path / "rank0.opt0").exists() and (tmp_path / "rank1.opt0").is_dir()
     assert any("scratch of an earlier version" in r.getMessage() for r in caplog.records)
     _purge_previous_layout(str(tmp_path / "missing"), "rank0")  # nothing there: nothing to do
+
+
+def _demo_holding_its_scratch(directory) -> subprocess.Popen:
+    """``python -m miles_plugins.demo --dir directory``, once its store's scratch is locked."""
+    child = start("miles_plugins.demo", "--steps", "300", "--dir", str(directory))
+    deadline = time.monotonic() + 60
+    while not list(directory.rglob(".*.lock")):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"the demo never locked a scratch ({child.wait()}):\n{child.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    return child
+
+
+def test_sigterm_to_the_demo_leaves_nothing_in_its_dir(tmp_path):
+    """The store's SIGTERM cleanup removed its scratch, but the demo's own directory
+    around it (miles-demo-XXXX/) stayed."""
+    child = _demo_holding_its_scratch(tmp_path)
+    child.send_signal(signal.SIGTERM)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, stderr[-3000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_purge_of_a_demos_dir_removes_what_a_killed_demo_left(tmp_path):
+    """After a SIGKILL, `scratch purge DIR` with the demo's --dir finds its scratch (it
+    said "nothing to purge" while the state sat one level down)."""
+    child = _demo_holding_its_scratch(tmp_path)
+    child.kill()
+    child.communicate(timeout=60)
+    result = _purge(tmp_path)
+    assert result.returncode == 0 and "removed" in result.stdout, result.stdout + result.stderr
+    assert os.listdir(tmp_path) == []
