@@ -48,6 +48,7 @@ import torch
 
 from miles_plugins.optimizers.config import HOMES, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
+from miles_plugins.optimizers.fs import format_bytes
 from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
 from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.scratch import ScratchDir
@@ -251,14 +252,15 @@ def _no_room(placed: Placement, config: StreamConfig, free: Sequence[int], gpu_r
         if gpu_room is not None
         else "its budget; 'auto' would count the device's free memory"
     )
+    need, free_total = sum(free) + short, sum(free)
     return (
-        f"not enough free space for the optimizer state ({sum(b.file_size for b in placed.buckets) / 1e9:.2f} GB "
-        f"stored) in {', '.join(s.directory for s in placed.scratches)}: it needs "
-        f"{(sum(free) + short) / 1e9:.2f} GB for the disk buckets even with one slot each, {sum(free) / 1e9:.2f} GB free, "
-        f"{short / 1e9:.2f} GB short; the GPU holds {held['gpu'] / 1e9:.2f} GB ({gpu}) and host memory "
-        f"{held['host'] / 1e9:.2f} GB (a budget of {config.host_budget_bytes / 1e9:.2f} GB). Free disk space or "
-        "add a directory on another drive, give host memory more (--stream-optimizer-state-host-budget-gb, "
-        "host_budget_bytes), or store fewer bytes per param (--stream-optimizer-state-main-storage remainder, "
+        f"not enough free space for the optimizer state in {', '.join(s.directory for s in placed.scratches)}: "
+        f"it needs {format_bytes(need)} ({need} bytes) for its disk buckets, one slot each, "
+        f"{format_bytes(free_total)} ({free_total} bytes) free; nothing was written. The GPU holds "
+        f"{format_bytes(held['gpu'])} ({gpu}), host memory {format_bytes(held['host'])} (a budget of "
+        f"{format_bytes(config.host_budget_bytes)}). Free {format_bytes(short)} or add a directory on another "
+        "drive, give host memory more (--stream-optimizer-state-host-budget-gb, host_budget_bytes), or store "
+        "fewer bytes per param (--stream-optimizer-state-main-storage remainder, "
         "--stream-optimizer-state-moment-dtype 8bit)"
     )
 
