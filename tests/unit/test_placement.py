@@ -396,8 +396,11 @@ def test_a_drive_short_of_two_slots_trains_byte_identical_with_one_slot_buckets(
     streamed.close()
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("last_write", [False, True], ids=["before-the-one-slot-bucket", "its-write"])
-def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(tmp_path, small_drives, last_write):
+def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(
+    tmp_path, small_drives, last_write, fault_report
+):
     """The one-slot buckets come last in the walk, after every disk write the walk drains:
     a write failing before them rolls the step back; failing on the one-slot bucket's own
     write (it was updated in place), the store refuses to go on."""
@@ -418,12 +421,21 @@ def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(tmp_pa
     with FaultPlan(drive / "state", "write", nth=nth, fault="eio"), pytest.raises(StreamIOError):
         optimizer.step()
     if last_write:
-        with pytest.raises(StoreUnusableError, match="one slot"):
+        with pytest.raises(StoreUnusableError, match="one slot") as refused:
             optimizer.step()
+        observed = "the next step refused: ..." + str(refused.value).split("and ", 1)[-1][:90]
     else:
         optimizer.step()  # rolled back: the step runs again
         assert streamed.store.steps_taken == 2
+        observed = "rolled back; the step ran again"
     streamed.close()
+    where = "on the one-slot bucket's own write" if last_write else "before the one-slot bucket"
+    fault_report(
+        f"a write fails {where} (a drive short of two slots: the last disk bucket keeps one)",
+        "refused from then on, as for host buckets" if last_write else "rolled back, as with two slots",
+        observed,
+        "the steps since the last checkpoint" if last_write else "none beyond the step in progress",
+    )
 
 
 def test_a_drive_short_even_of_one_slot_each_is_refused_saying_how_much_is_missing(tmp_path, small_drives):
