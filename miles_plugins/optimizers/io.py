@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from miles_plugins.optimizers.errors import StreamIOError, StreamIOTimeout
+from miles_plugins.optimizers.formats.layout import ALIGNMENT, BucketLayout, align_up
 from miles_plugins.optimizers.fs import open_file
-from miles_plugins.optimizers.layout import ALIGNMENT, BucketLayout, align_up
 
 logger = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ import torch
 from miles_plugins.optimizers.adam import BucketOptimizer
 from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
+from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.fs import (
     check_plain_dir,
     create_file,
@@ -54,7 +55,6 @@ from miles_plugins.optimizers.fs import (
     require_free_space,
 )
 from miles_plugins.optimizers.io import BlockCrc, HostMemory, copy_file_crc32, pwrite_full
-from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
 from miles_plugins.optimizers.reshard_load import ReshardedLoad, can_reshard_from, find_peers
 from miles_plugins.optimizers.scratch import live_scratch_overlap

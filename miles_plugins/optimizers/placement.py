@@ -48,9 +48,9 @@ import torch
 
 from miles_plugins.optimizers.config import HOMES, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
+from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.fs import format_bytes
 from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
-from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers import remainder
 from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
+from miles_plugins.optimizers.formats import remainder
+from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_store
 from miles_plugins.optimizers.fs import (
     create_file,
     fsync,
@@ -48,7 +49,6 @@ from miles_plugins.optimizers.fs import (
     unlock_file,
 )
 from miles_plugins.optimizers.io import file_crcs, pwrite_full
-from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_store
 from miles_plugins.optimizers.manifest import (
     CHECKSUM_KEY,
     CRC_BLOCK_BYTES,

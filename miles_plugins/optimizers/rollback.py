@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 
 from miles_plugins.optimizers.entries import EntryFn
-from miles_plugins.optimizers.layout import BucketLayout
+from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
 from miles_plugins.optimizers.placement import Placement
 

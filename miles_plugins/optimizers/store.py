@@ -27,21 +27,22 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers import auto_budget, quant8, remainder
+from miles_plugins.optimizers import auto_budget
 from miles_plugins.optimizers.adam import AdamBackend
 from miles_plugins.optimizers.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
-from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
-from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
-from miles_plugins.optimizers.layout import (
+from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
+from miles_plugins.optimizers.formats.layout import (
     MAIN_DTYPE,
     MATERIALIZED_BYTES_PER_ELEMENT,
     BucketLayout,
     layout_store,
 )
+from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
 from miles_plugins.optimizers.placement import (

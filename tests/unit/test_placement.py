@@ -12,9 +12,9 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, auto_budget
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
+from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.fs import parse_size
 from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
-from miles_plugins.optimizers.layout import BucketLayout
 from miles_plugins.optimizers.placement import assign_homes, plan_disk, spread_over_directories
 from tests.faults import FaultPlan
 from tests.unit.reference import (
