@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 from miles_plugins.optimizers.entries import EntryFn
 from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.placement import Placement
 from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import Placement
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers import auto_budget
 from miles_plugins.optimizers.adam import AdamBackend
-from miles_plugins.optimizers.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
 from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
@@ -42,16 +40,18 @@ from miles_plugins.optimizers.formats.layout import (
     BucketLayout,
     layout_store,
 )
-from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
-from miles_plugins.optimizers.persistence import Persistence
-from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import (
+from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
+from miles_plugins.optimizers.homes.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
+from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
     PlacedBacking,
     Placement,
     move_from_device_home,
     move_to_device_home,
 )
+from miles_plugins.optimizers.persistence import Persistence
+from miles_plugins.optimizers.pipeline import Flight, Pipeline
 from miles_plugins.optimizers.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class StreamingStore:
             them on load: for callers whose own checkpoint cannot carry them
             (the master's ``state_dict`` refuses). Megatron's carries them.
         auto_gpu: with ``gpu_budget_bytes="auto"``, the rank's
-            :class:`~miles_plugins.optimizers.auto_budget.AutoGpuBudget`, shared
+            :class:`~miles_plugins.optimizers.homes.auto_budget.AutoGpuBudget`, shared
             by its stores (a Megatron chain); by default the store makes its own.
             It moves buckets into and out of the ``gpu`` home between steps
             (:meth:`move_to_gpu_home`, :meth:`move_from_gpu_home`).

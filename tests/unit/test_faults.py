@@ -24,9 +24,9 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
+from miles_plugins.optimizers.homes.scratch import LOCK_MARKER, purge
 from miles_plugins.optimizers.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.rollback import StepRollback
-from miles_plugins.optimizers.scratch import LOCK_MARKER, purge
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
 from tests.unit.test_bad_input import REPO
@@ -226,7 +226,7 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
 def test_a_staging_allocation_failure_is_refused_with_nothing_written(tmp_path, monkeypatch, fault_report):
     import mmap
 
-    from miles_plugins.optimizers import io as io_module
+    from miles_plugins.optimizers.homes import io as io_module
 
     def no_memory(*args, **kwargs):
         # Simulated: exhausting the host's memory for real would take the machine down.
@@ -291,7 +291,7 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_save(tmp_path, 
 def test_the_save_preflight_refuses_when_the_checkpoint_disk_is_full(tmp_path, monkeypatch, fault_report):
     import shutil
 
-    from miles_plugins.optimizers import fs as fs_module
+    from miles_plugins.optimizers.homes import fs as fs_module
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}

@@ -38,8 +38,8 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfigError,
 )
 from miles_plugins.optimizers import store as store_module  # noqa: E402
-from miles_plugins.optimizers.auto_budget import AutoGpuBudget  # noqa: E402
-from miles_plugins.optimizers.io import DeviceBacking  # noqa: E402
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
+from miles_plugins.optimizers.homes.io import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron import (  # noqa: E402
     STREAMED_STATE_KEY,
     MegatronBinding,

@@ -449,7 +449,7 @@ def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, cap
     output's lock (it used to remove the first's partial output, which then
     renamed what was left into place and reported success)."""
     from miles_plugins.optimizers import ckpt
-    from miles_plugins.optimizers.fs import lock_file, unlock_file
+    from miles_plugins.optimizers.homes.fs import lock_file, unlock_file
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     out = tmp_path / "new" / "iter_0000002"
@@ -483,7 +483,8 @@ def test_ckpt_reshard_names_a_missing_store_instead_of_failing_inside(tmp_path, 
 
 
 def test_ckpt_reshard_checks_free_space_before_writing(tmp_path, capsys, monkeypatch):
-    from miles_plugins.optimizers import ckpt, fs
+    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.homes import fs
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     usage = shutil.disk_usage(tmp_path)

@@ -33,7 +33,7 @@ import torch
 
 from miles_plugins.optimizers.errors import StreamIOError, StreamIOTimeout
 from miles_plugins.optimizers.formats.layout import ALIGNMENT, BucketLayout, align_up
-from miles_plugins.optimizers.fs import open_file
+from miles_plugins.optimizers.homes.fs import open_file
 
 logger = logging.getLogger(__name__)
 
