@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from miles_plugins.optimizers.homes.io import HostMemory, pread_full, pwrite_full
+from miles_plugins.optimizers.homes.backings import HostMemory, pread_full, pwrite_full
 
 
 @dataclass

@@ -36,8 +36,8 @@ import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
+from miles_plugins.optimizers.homes.backings import file_crcs
 from miles_plugins.optimizers.homes.fs import saved_dirs
-from miles_plugins.optimizers.homes.io import file_crcs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 
 _STORE_NAME = re.compile(r"rank(\d+)\.(opt\d+)")

@@ -34,7 +34,7 @@ from miles_plugins.optimizers.codec import Codec, stored_bytes
 from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import StreamIOTimeout
 from miles_plugins.optimizers.formats.layout import MOMENT_SEGMENTS, BucketLayout
-from miles_plugins.optimizers.homes.io import Ticket, Transfer
+from miles_plugins.optimizers.homes.backings import Ticket, Transfer
 
 
 @dataclass

@@ -36,6 +36,7 @@ from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYP
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.formats import remainder
 from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_store
+from miles_plugins.optimizers.homes.backings import file_crcs, pwrite_full
 from miles_plugins.optimizers.homes.fs import (
     create_file,
     fsync,
@@ -48,7 +49,6 @@ from miles_plugins.optimizers.homes.fs import (
     require_free_space,
     unlock_file,
 )
-from miles_plugins.optimizers.homes.io import file_crcs, pwrite_full
 from miles_plugins.optimizers.manifest import (
     CHECKSUM_KEY,
     CRC_BLOCK_BYTES,

@@ -42,7 +42,7 @@ from miles_plugins.optimizers.formats.layout import (
 )
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.homes.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
+from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
     PlacedBacking,

@@ -226,7 +226,7 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
 def test_a_staging_allocation_failure_is_refused_with_nothing_written(tmp_path, monkeypatch, fault_report):
     import mmap
 
-    from miles_plugins.optimizers.homes import io as io_module
+    from miles_plugins.optimizers.homes import backings as io_module
 
     def no_memory(*args, **kwargs):
         # Simulated: exhausting the host's memory for real would take the machine down.
