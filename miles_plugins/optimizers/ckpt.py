@@ -36,7 +36,7 @@ import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
-from miles_plugins.optimizers.homes.backings import file_crcs
+from miles_plugins.optimizers.homes.file_io import file_crcs
 from miles_plugins.optimizers.homes.fs import saved_dirs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
 

@@ -35,7 +35,7 @@ import torch
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.formats import quant8, remainder
 from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_bucket
-from miles_plugins.optimizers.homes.backings import BlockCrc, pread_full
+from miles_plugins.optimizers.homes.file_io import BlockCrc, pread_full
 from miles_plugins.optimizers.homes.fs import check_plain_dir, open_file, saved_dirs
 from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch, differences
 from miles_plugins.optimizers.reshard import Copy, Piece, RemapError, plan

@@ -36,7 +36,7 @@ from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYP
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.formats import remainder
 from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_store
-from miles_plugins.optimizers.homes.backings import file_crcs, pwrite_full
+from miles_plugins.optimizers.homes.file_io import file_crcs, pwrite_full
 from miles_plugins.optimizers.homes.fs import (
     create_file,
     fsync,

@@ -11,7 +11,7 @@ and writes the other, and commits only after the last write: a step that fails
 part way is rolled back.
 
 The parts, each in its own module: where bytes live and how they move
-(``io.py``), the walk (``pipeline.py``), the storage formats (``codec.py``),
+(``homes/``), the walk (``pipeline.py``), the storage formats (``codec.py``),
 checkpoints (``persistence.py``), what a failed step can undo
 (``rollback.py``), files and directories (``fs.py``, ``scratch.py``). This
 module builds them and runs the step.
@@ -42,7 +42,8 @@ from miles_plugins.optimizers.formats.layout import (
 )
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
+from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking
+from miles_plugins.optimizers.homes.engines import PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
     PlacedBacking,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.homes.backings import FileHandle, HostMemory
+from miles_plugins.optimizers.homes.backings import FileHandle
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -200,12 +200,12 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
     train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
 
-    import miles_plugins.optimizers.homes.backings as io_module
+    import miles_plugins.optimizers.homes.backings as backings_module
 
     def failing_copy(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(io_module, "copy_file_crc32", failing_copy)
+    monkeypatch.setattr(backings_module, "copy_file_crc32", failing_copy)
     with pytest.raises(OSError, match="No space left"):
         streamed.save_to(str(ckpt))
     assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before

@@ -225,7 +225,7 @@ def test_block_checksums_are_each_blocks_crc32_however_the_bytes_arrive():
     import random
     import zlib
 
-    from miles_plugins.optimizers.homes.backings import BlockCrc
+    from miles_plugins.optimizers.homes.file_io import BlockCrc
     from miles_plugins.optimizers.manifest import crc_mismatch
 
     data = random.Random(0).randbytes(10_000)

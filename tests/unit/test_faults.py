@@ -226,17 +226,17 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
 def test_a_staging_allocation_failure_is_refused_with_nothing_written(tmp_path, monkeypatch, fault_report):
     import mmap
 
-    from miles_plugins.optimizers.homes import backings as io_module
+    from miles_plugins.optimizers.homes import host_memory as host_memory_module
 
     def no_memory(*args, **kwargs):
         # Simulated: exhausting the host's memory for real would take the machine down.
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr(io_module.mmap, "mmap", no_memory)
+    monkeypatch.setattr(host_memory_module.mmap, "mmap", no_memory)
     model = Net(torch.bfloat16)
     with pytest.raises(StreamIOError, match="cannot allocate 16777216 bytes of host memory: Cannot allocate") as info:
         StreamedOptimizer(torch.optim.AdamW(groups(model)), StreamConfig(directory=str(tmp_path / "scratch")))
-    monkeypatch.setattr(io_module.mmap, "mmap", mmap.mmap)
+    monkeypatch.setattr(host_memory_module.mmap, "mmap", mmap.mmap)
     assert os.listdir(tmp_path / "scratch") == []
     fault_report(
         "staging allocation fails at startup",

@@ -49,8 +49,10 @@ import torch
 from miles_plugins.optimizers.config import HOMES, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes.backings import BlockCrc, FileBacking, HostMemory
+from miles_plugins.optimizers.homes.backings import FileBacking
+from miles_plugins.optimizers.homes.file_io import BlockCrc
 from miles_plugins.optimizers.homes.fs import format_bytes
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)
