@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "CheckpointMismatchError": "miles_plugins.optimizers.errors",
-    "StepStats": "miles_plugins.optimizers.entries",
+    "StepStats": "miles_plugins.optimizers.step.entries",
     "StoreUnusableError": "miles_plugins.optimizers.errors",
     "StreamConfig": "miles_plugins.optimizers.config",
     "StreamConfigError": "miles_plugins.optimizers.errors",

@@ -27,10 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers.adam import AdamBackend
-from miles_plugins.optimizers.codec import Codec
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
-from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.formats import quant8, remainder
 from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
@@ -52,8 +49,11 @@ from miles_plugins.optimizers.homes.placement import (
     move_to_device_home,
 )
 from miles_plugins.optimizers.persistence import Persistence
-from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.rollback import StepRollback, first_written_in_place
+from miles_plugins.optimizers.step.adam import AdamBackend
+from miles_plugins.optimizers.step.codec import Codec
+from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
+from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.entries import Entry
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 from tests.unit.reference import (
     Net,

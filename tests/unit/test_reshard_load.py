@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.entries import Entry
 from miles_plugins.optimizers.formats import quant8
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 from tests.unit.reference import same_bytes
 from tests.unit.test_reshard import megatron_param_layout, megatron_shards

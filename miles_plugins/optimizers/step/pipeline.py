@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_plugins.optimizers.adam import BucketOptimizer
-from miles_plugins.optimizers.codec import Codec, stored_bytes
-from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import StreamIOTimeout
 from miles_plugins.optimizers.formats.layout import MOMENT_SEGMENTS, BucketLayout
 from miles_plugins.optimizers.homes.engines import Ticket, Transfer
+from miles_plugins.optimizers.step.adam import BucketOptimizer
+from miles_plugins.optimizers.step.codec import Codec, stored_bytes
+from miles_plugins.optimizers.step.entries import Entry, StepStats
 
 
 @dataclass
