@@ -343,7 +343,7 @@ class MegatronBinding:
             optimizer_instance=opt.distributed_optimizer_instance_id,
         )
         return {
-            # The saves this rank's state can be resharded from name the same peers (reshard_load.py).
+            # The saves this rank's state can be resharded from name the same peers (checkpoint/reshard_load.py).
             "shard_peers": peers,
             "world_size": torch.distributed.get_world_size(),
             "tp_size": mpu.get_tensor_model_parallel_world_size(),

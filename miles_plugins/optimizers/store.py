@@ -12,7 +12,7 @@ part way is rolled back.
 
 The parts, each in its own module: where bytes live and how they move
 (``homes/``), the walk (``pipeline.py``), the storage formats (``codec.py``),
-checkpoints (``persistence.py``), what a failed step can undo
+checkpoints (``checkpoint/persistence.py``), what a failed step can undo
 (``rollback.py``), files and directories (``fs.py``, ``scratch.py``). This
 module builds them and runs the step.
 """
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.persistence import Persistence
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.formats import quant8, remainder
@@ -48,7 +49,6 @@ from miles_plugins.optimizers.homes.placement import (
     move_from_device_home,
     move_to_device_home,
 )
-from miles_plugins.optimizers.persistence import Persistence
 from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
@@ -90,7 +90,7 @@ class StreamingStore:
         topology: the parallel layout this state belongs to (sizes and this
             rank's coordinates), recorded by ``save_to`` and required equal by
             ``load_from`` (``shard_peers``: which other ranks' saves a load at
-            another data-parallel size may read, ``reshard_load.py``).
+            another data-parallel size may read, ``checkpoint/reshard_load.py``).
         param_layout: where every param sits in its data-parallel buffers
             (``megatron.param_layout``), for offline resharding; or None.
         grad_bytes_per_element: device bytes ``grad_fn`` allocates per element

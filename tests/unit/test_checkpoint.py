@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
@@ -376,7 +376,7 @@ def test_a_tampered_manifest_is_refused_and_the_store_is_unchanged(tmp_path, sav
 def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, saved, monkeypatch):
     """Host tier: the second read of a file fails part way (it was replaced or the
     drive failed between the two reads): some buckets are already loaded."""
-    from miles_plugins.optimizers import persistence
+    from miles_plugins.optimizers.checkpoint import persistence
     from miles_plugins.optimizers.errors import StoreUnusableError
 
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")

@@ -22,7 +22,7 @@ directory holding a save's ``manifest.json`` (a checkpoint saved where the
 scratch belongs): they leave it and say so. No torch is imported.
 
 The live scratch directories of this process are known (:func:`live_scratch_overlap`):
-a checkpoint save or load aimed at one is refused (``persistence.py``).
+a checkpoint save or load aimed at one is refused (``checkpoint/persistence.py``).
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.manifest import (
+    CRC_BLOCK_BYTES,
+    RESIDENT_FILE,
+    Manifest,
+    crc_mismatch,
+    differences,
+)
+from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad, can_reshard_from, find_peers
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.file_io import BlockCrc, copy_file_crc32, pwrite_full
@@ -55,8 +63,6 @@ from miles_plugins.optimizers.homes.fs import (
 )
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.scratch import live_scratch_overlap
-from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
-from miles_plugins.optimizers.reshard_load import ReshardedLoad, can_reshard_from, find_peers
 from miles_plugins.optimizers.step.adam import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec
 
