@@ -67,12 +67,12 @@ from torch.overrides import TorchFunctionMode
 from megatron_hooks import fingerprint
 from megatron_hooks.checkpoint import check_patched
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
-from miles_plugins.optimizers.args import refusals_of_optimizer
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.pins import PINS
+from miles_plugins.optimizers.megatron.args import refusals_of_optimizer
+from miles_plugins.optimizers.megatron.pins import PINS
 from miles_plugins.optimizers.step.adam import backend_for, bind_master
 from miles_plugins.optimizers.step.entries import Entry, StepStats
 from miles_plugins.optimizers.store import StreamingStore
