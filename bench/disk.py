@@ -14,7 +14,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from miles_plugins.optimizers.io import HostMemory, pread_full, pwrite_full
+from miles_plugins.optimizers.homes.file_io import pread_full, pwrite_full
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 
 @dataclass

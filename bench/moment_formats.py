@@ -30,7 +30,8 @@ import torch
 
 from bench.corpus import MarkovChain
 from miles_plugins.demo import LR, VOCAB, build_model, param_groups, schedule
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, quant8
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from miles_plugins.optimizers.formats import quant8
 
 BATCH, SEQ = 16, 33
 TAIL = 20

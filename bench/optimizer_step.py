@@ -311,9 +311,9 @@ def _activations(mode: str, args: argparse.Namespace, device: torch.device, stor
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    from miles_plugins.optimizers.adam import backend_for
     from miles_plugins.optimizers.config import StreamConfig
-    from miles_plugins.optimizers.entries import Entry
+    from miles_plugins.optimizers.step.adam import backend_for
+    from miles_plugins.optimizers.step.entries import Entry
     from miles_plugins.optimizers.store import StreamingStore
 
     device = torch.device(args.device)

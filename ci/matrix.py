@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ci.megatron_sources import SourceError, find_commit, git_tree, wheel_tree
 from megatron_hooks import fingerprint, patching
-from miles_plugins.optimizers.pins import PINS
+from miles_plugins.optimizers.megatron.pins import PINS
 
 MATRIX = Path(__file__).resolve().parent / "matrix.toml"
 

@@ -36,8 +36,8 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.config import AUTO, ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
-from miles_plugins.optimizers.fs import parse_size
-from miles_plugins.optimizers.scratch import DEMO_SCRATCH_PREFIX
+from miles_plugins.optimizers.homes.fs import parse_size
+from miles_plugins.optimizers.homes.scratch import DEMO_SCRATCH_PREFIX
 
 VOCAB = 512
 WIDTH = 128

@@ -11,7 +11,7 @@ of Megatron-LM's training package are wrapped in memory (no patch hunks):
 
 - ``megatron.training.arguments.parse_args`` (as every module that imports it
   afterwards sees it): the script's ``extra_args_provider`` is followed by
-  :func:`~miles_plugins.optimizers.args.add_arguments`, so Megatron's parser
+  :func:`~miles_plugins.optimizers.megatron.args.add_arguments`, so Megatron's parser
   knows the streaming flags;
 - ``megatron.training.training.get_megatron_optimizer``, which
   ``setup_model_and_optimizer`` calls: with streaming on it builds the
@@ -162,7 +162,7 @@ def _hook_training(training: ModuleType) -> None:
 
 def _wrap_parse(original: Callable) -> Callable:
     def parse_args(extra_args_provider=None, *args: Any, **kwargs: Any) -> argparse.Namespace:
-        from miles_plugins.optimizers.args import add_arguments
+        from miles_plugins.optimizers.megatron.args import add_arguments
 
         def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if extra_args_provider is not None:
@@ -228,7 +228,7 @@ def _wrap_train(original: Callable) -> Callable:
         if _current.streaming and not _current.optimizers:
             from megatron.training import get_args
 
-            from miles_plugins.optimizers.args import refusals_of_args
+            from miles_plugins.optimizers.megatron.args import refusals_of_args
 
             reasons = refusals_of_args(get_args())
             if reasons:  # e.g. --optimizer muon, built by a function of its own

@@ -7,7 +7,7 @@ Public entry points:
 - :class:`StreamedOptimizer`: the plain-PyTorch front end over a
   ``torch.optim.Adam``/``AdamW``.
 
-They are imported on first use, so that ``miles_plugins.optimizers.pins`` (read
+They are imported on first use, so that ``miles_plugins.optimizers.megatron.pins`` (read
 by the torch-free ``python -m megatron_hooks drift``) does not import torch.
 """
 
@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "CheckpointMismatchError": "miles_plugins.optimizers.errors",
-    "StepStats": "miles_plugins.optimizers.entries",
+    "StepStats": "miles_plugins.optimizers.step.entries",
     "StoreUnusableError": "miles_plugins.optimizers.errors",
     "StreamConfig": "miles_plugins.optimizers.config",
     "StreamConfigError": "miles_plugins.optimizers.errors",

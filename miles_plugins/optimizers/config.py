@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from miles_plugins.optimizers.errors import StreamConfigError
-from miles_plugins.optimizers.layout import ALIGNMENT as DIRECT_IO_ALIGNMENT
+from miles_plugins.optimizers.formats.layout import ALIGNMENT as DIRECT_IO_ALIGNMENT
 
 # Storage dtypes for the Adam moments (they always compute in fp32). Mains are
 # stored as fp32 or as remainders (MAIN_STORAGES): they must round-trip exactly.

@@ -22,10 +22,10 @@ import logging
 import os
 from typing import Any
 
-from miles_plugins.optimizers import scratch
-from miles_plugins.optimizers.args import STREAM_FLAG, config_from_args, validate_args
 from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.megatron import MegatronBinding, attach, deferred_mains
+from miles_plugins.optimizers.homes import scratch
+from miles_plugins.optimizers.megatron.args import STREAM_FLAG, config_from_args, validate_args
+from miles_plugins.optimizers.megatron.binding import MegatronBinding, attach, deferred_mains
 
 logger = logging.getLogger(__name__)
 

@@ -3,55 +3,52 @@
 Between steps every streamed fp32 main and Adam moment has its storage released
 (the tensor keeps its shape; its storage has 0 bytes); the bytes live in the
 backing (two slots of files per bucket, or pinned host memory). ``step()`` walks
-the buckets through the pipeline (``pipeline.py``): each bucket is fetched,
-updated by the master optimizer's exact math (``adam.py``), its mains copied into
-the model params, and written back, with at most ``buckets_in_flight`` buckets
-on the device at once. On the disk tier a step reads one slot of each bucket
-and writes the other, and commits only after the last write: a step that fails
-part way is rolled back.
+the buckets through the pipeline (``step/pipeline.py``): each bucket is fetched,
+updated by the master optimizer's exact math (``step/adam.py``), its mains copied
+into the model params, and written back, with at most ``buckets_in_flight``
+buckets on the device at once. On the disk tier a step reads one slot of each
+bucket and writes the other, and commits only after the last write: a step that
+fails part way is rolled back.
 
 The parts, each in its own module: where bytes live and how they move
-(``io.py``), the walk (``pipeline.py``), the storage formats (``codec.py``),
-checkpoints (``persistence.py``), what a failed step can undo
-(``rollback.py``), files and directories (``fs.py``, ``scratch.py``). This
-module builds them and runs the step.
+(``homes/``), the walk (``step/pipeline.py``), the storage formats
+(``step/codec.py``, ``formats/``), checkpoints (``checkpoint/persistence.py``),
+what a failed step can undo (``step/rollback.py``), the gpu home's moves and
+offload (``step/gpu_home.py``), files and directories (``homes/fs.py``,
+``homes/scratch.py``). This module builds them and runs the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers import auto_budget, quant8, remainder
-from miles_plugins.optimizers.adam import AdamBackend
-from miles_plugins.optimizers.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.codec import Codec
+from miles_plugins.optimizers.checkpoint.persistence import Persistence
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
-from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
-from miles_plugins.optimizers.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
-from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
-from miles_plugins.optimizers.io import DeviceBacking, FileBacking, HostBacking, PipelinedEngine, SyncEngine
-from miles_plugins.optimizers.layout import (
+from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
+from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
+from miles_plugins.optimizers.formats.layout import (
     MAIN_DTYPE,
     MATERIALIZED_BYTES_PER_ELEMENT,
     BucketLayout,
     layout_store,
 )
-from miles_plugins.optimizers.persistence import Persistence
-from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import (
-    DEVICE_FILL_ORDER,
-    PlacedBacking,
-    Placement,
-    move_from_device_home,
-    move_to_device_home,
-)
-from miles_plugins.optimizers.rollback import StepRollback, first_written_in_place
+from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
+from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking
+from miles_plugins.optimizers.homes.engines import PipelinedEngine, SyncEngine
+from miles_plugins.optimizers.homes.placement import PlacedBacking, Placement
+from miles_plugins.optimizers.step.adam import AdamBackend
+from miles_plugins.optimizers.step.codec import Codec
+from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
+from miles_plugins.optimizers.step.gpu_home import GpuHome
+from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +85,7 @@ class StreamingStore:
         topology: the parallel layout this state belongs to (sizes and this
             rank's coordinates), recorded by ``save_to`` and required equal by
             ``load_from`` (``shard_peers``: which other ranks' saves a load at
-            another data-parallel size may read, ``reshard_load.py``).
+            another data-parallel size may read, ``checkpoint/reshard_load.py``).
         param_layout: where every param sits in its data-parallel buffers
             (``megatron.param_layout``), for offline resharding; or None.
         grad_bytes_per_element: device bytes ``grad_fn`` allocates per element
@@ -100,7 +97,7 @@ class StreamingStore:
             them on load: for callers whose own checkpoint cannot carry them
             (the master's ``state_dict`` refuses). Megatron's carries them.
         auto_gpu: with ``gpu_budget_bytes="auto"``, the rank's
-            :class:`~miles_plugins.optimizers.auto_budget.AutoGpuBudget`, shared
+            :class:`~miles_plugins.optimizers.homes.auto_budget.AutoGpuBudget`, shared
             by its stores (a Megatron chain); by default the store makes its own.
             It moves buckets into and out of the ``gpu`` home between steps
             (:meth:`move_to_gpu_home`, :meth:`move_from_gpu_home`).
@@ -151,26 +148,13 @@ class StreamingStore:
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
         self.buckets = _layout(self.entries, streamed, config)
         self._bucket_optimizers = [backend.build(_groups_of(self.entries, b.entry_indices)) for b in self.buckets]
-        self._resident_entries = [
-            i for i, e in enumerate(self.entries) if e.resident and config.fp32_param_moments == "resident"
-        ]
-        self._resident_optimizer = (
-            backend.build(_groups_of(self.entries, self._resident_entries)) if self._resident_entries else None
-        )
+        self._resident_entries, self._resident_optimizer = _resident(self.entries, backend, config)
         _warn_about_residency(config, self.buckets, sum(self.entries[i].main.numel() for i in self._resident_entries))
 
         # Each bucket's home and a disk bucket's directory, with the directories' scratches:
         # their free space is checked before anything is written. An auto GPU budget lends
         # the device's room at setup where host and disk cannot hold the state.
-        gpu_room = None
-        if auto_gpu_wanted:
-            releasable = sum(
-                self.entries[i].main.untyped_storage().nbytes()
-                for b in self.buckets
-                if b.streams_main
-                for i in b.entry_indices
-            )
-            gpu_room = auto_budget.setup_gpu_room(self._device, config.auto_gpu_margin_bytes, releasable)
+        gpu_room = _setup_gpu_room(self.entries, self.buckets, self._device, config) if auto_gpu_wanted else None
         self.placed = Placement(self.buckets, config, gpu_room)
         try:
             self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.placed, self._device)
@@ -187,22 +171,11 @@ class StreamingStore:
                 config.io_timeout_s,
                 drain_before=first_written_in_place(self.buckets, self.placed),
             )
-            resident_mains = [self.entries[i].main for i in self._resident_entries]
-            self._persistence = Persistence(
-                config.name,
-                _description(
-                    config, self.entries, self.buckets, self._resident_entries, backend.master, topology, param_layout
-                ),
-                self.buckets,
-                self._backing,
-                self._bucket_optimizers,
-                self._engine.idle_buffer,
-                codec,
-                config.main_storage == "remainder",
-                self._resident_optimizer,
-                resident_mains,
-                backend.master.param_groups if checkpoint_master_options else None,
+            self._gpu_home = GpuHome(
+                self.placed, self._backing, self.buckets, self._engine, self._pipeline, self._device, self._settle
             )
+            master_options = backend.master.param_groups if checkpoint_master_options else None
+            self._persistence = _persistence(self, codec, backend, topology, param_layout, master_options)
             self._write_mains(init_main)
         except BaseException:
             self._shut_down()
@@ -319,14 +292,7 @@ class StreamingStore:
         self.last_step = stats
         self.total.add(stats)
         self.steps_taken += 1
-        logger.info(
-            "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s",
-            self.steps_taken,
-            stats.buckets,
-            stats.bytes_read / 1e6,
-            stats.bytes_written / 1e6,
-            stats.seconds,
-        )
+        _log_step(self.steps_taken, stats)
         if self.auto_gpu is not None:
             try:
                 self.auto_gpu.after_step(self)
@@ -334,32 +300,18 @@ class StreamingStore:
                 logger.warning("auto GPU budget: not adjusted after step %d: %s", self.steps_taken, exc)
         return stats
 
-    # ---- auto GPU budget (auto_budget.py) --------------------------------------
+    # ---- the gpu home (step/gpu_home.py) --------------------------------------
 
     def move_to_gpu_home(self, budget: int, home: str) -> tuple[int, bool]:
         """Move buckets of ``home`` (``"disk"`` or ``"host"``) into the ``gpu`` home while
         their stored sizes fit ``budget`` (``placement.move_to_device_home``); returns the
         bytes moved and whether device memory ran out. Call between steps."""
-        return self._move(move_to_device_home, budget, home) if not self._device_home_offloaded() else (0, False)
+        return self._gpu_home.move_in(budget, home)
 
     def move_from_gpu_home(self, nbytes: int, home: str) -> int:
         """Give buckets of the ``gpu`` home whose place below is ``home`` back to it until
         ``nbytes`` are freed (``placement.move_from_device_home``); returns the bytes freed."""
-        return self._move(move_from_device_home, nbytes, home) if not self._device_home_offloaded() else 0
-
-    def _device_home_offloaded(self) -> bool:
-        return self._device_home is not None and self._device_home.offloaded
-
-    @property
-    def _device_home(self) -> DeviceBacking | None:
-        """The ``gpu`` home's backing, once a bucket has lived there."""
-        return self._backing.by_key.get("gpu")
-
-    def _move(self, move, nbytes: int, home: str):
-        self._settle()  # nothing prefetched may read a bucket whose place changes
-        done = move(self.placed, self._backing, self.buckets, nbytes, self._engine.idle_buffer(), home)
-        self._pipeline.drain_before = first_written_in_place(self.buckets, self.placed)
-        return done
+        return self._gpu_home.move_out(nbytes, home)
 
     def _update(self, flight: Flight) -> None:
         """The Adam update of one materialized bucket; its mains then go to the model."""
@@ -399,40 +351,13 @@ class StreamingStore:
         pinned; only those placed on the device at setup, which have none, go to
         pinned host memory), and the budget fills the home again when it is restored."""
         self._settle()
-        if self.auto_gpu is not None:
-            # Each bucket there has its place below: give them back, pinning nothing more.
-            self.auto_gpu.offload(
-                self,
-                lambda: sum(
-                    self.move_from_gpu_home(self.home_bytes["gpu"], home) for home in reversed(DEVICE_FILL_ORDER)
-                ),
-            )
-            stuck = [i for i in self._backing.below if self.placed.homes[i] == "gpu"]
-            if stuck:
-                raise StreamIOError(
-                    f"{len(stuck)} buckets of the device home could not go back to their places "
-                    "below for the offload (see the warning above); they stay on the device",
-                    "<device home>",
-                    0,
-                    errno.EIO,
-                )
-            if not self.home_bytes["gpu"]:
-                return  # the budget gave the freed memory to the driver, for another process
-            # What remains was placed on the device at setup (host and disk had no room): it
-            # goes to pinned host memory, as a fixed GPU budget's buckets do.
-        device_home = self._device_home
-        if device_home is not None:
-            device_home.to_host(pin=torch.cuda.is_available())
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
+        self._gpu_home.offload(self, self.auto_gpu)
 
     def restore_device_home(self) -> None:
         """Bring what :meth:`offload_device_home` moved back into device memory (with an
         auto GPU budget: fill the home again, once the last store sharing it is restored)."""
         self._settle()
-        device_home = self._device_home
-        if device_home is not None and device_home.offloaded:
-            device_home.to_device()  # buckets of a fixed budget, or placed on the device at setup
+        self._gpu_home.restore()
         if self.auto_gpu is not None:
             self.auto_gpu.restored(self)
 
@@ -509,18 +434,7 @@ class StreamingStore:
         """Yield (entry index, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket
         in memory at a time; moments are None before the entry's first update."""
         self._settle()
-        for i in self._resident_entries:
-            moments = self._resident_optimizer.moments(self.entries[i].main)
-            yield (i, self.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))
-        for bucket in self.buckets:
-            # The whole bucket is copied and released before anything is yielded: a
-            # caller may step, load or refresh while this generator is suspended.
-            with self._pipeline.read_one(bucket.index) as flight:
-                copies = [
-                    (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))
-                    for i, entry in zip(bucket.entry_indices, flight.entries, strict=True)
-                ]
-            yield from copies
+        yield from _state_copies(self)
 
     # ---- construction helpers --------------------------------------------------
 
@@ -548,6 +462,69 @@ class StreamingStore:
         except BaseException as exc:
             self._damaged = f"rewriting the mains failed part way ({exc})"
             raise
+
+
+def _resident(entries: Sequence[Entry], backend: AdamBackend, config: StreamConfig) -> tuple[list[int], object]:
+    """The entries whose fp32 params keep their moments resident, and the one small
+    optimizer (of the master's class) that steps them; ([], None) when there are none."""
+    indices = [i for i, e in enumerate(entries) if e.resident and config.fp32_param_moments == "resident"]
+    return indices, (backend.build(_groups_of(entries, indices)) if indices else None)
+
+
+def _setup_gpu_room(entries: Sequence[Entry], buckets: Sequence[BucketLayout], device, config: StreamConfig) -> int:
+    """What an auto GPU budget lends the gpu home at setup (``auto_budget.setup_gpu_room``),
+    counting the device bytes of the streamed mains, which the store writes out and releases."""
+    releasable = sum(
+        entries[i].main.untyped_storage().nbytes() for b in buckets if b.streams_main for i in b.entry_indices
+    )
+    return auto_budget.setup_gpu_room(device, config.auto_gpu_margin_bytes, releasable)
+
+
+def _persistence(store: StreamingStore, codec: Codec, backend: AdamBackend, topology, param_layout, master_options):
+    """The store's save and load (``checkpoint/persistence.py``), over its parts."""
+    config, entries, resident = store.config, store.entries, store._resident_entries
+    return Persistence(
+        config.name,
+        _description(config, entries, store.buckets, resident, backend.master, topology, param_layout),
+        store.buckets,
+        store._backing,
+        store._bucket_optimizers,
+        store._engine.idle_buffer,
+        codec,
+        config.main_storage == "remainder",
+        store._resident_optimizer,
+        [entries[i].main for i in resident],
+        master_options,
+    )
+
+
+def _log_step(steps_taken: int, stats: StepStats) -> None:
+    logger.info(
+        "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s",
+        steps_taken,
+        stats.buckets,
+        stats.bytes_read / 1e6,
+        stats.bytes_written / 1e6,
+        stats.seconds,
+    )
+
+
+def _state_copies(
+    store: StreamingStore,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """:meth:`StreamingStore.iter_state`'s walk, once the store is settled."""
+    for i in store._resident_entries:
+        moments = store._resident_optimizer.moments(store.entries[i].main)
+        yield (i, store.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))
+    for bucket in store.buckets:
+        # The whole bucket is copied and released before anything is yielded: a
+        # caller may step, load or refresh while this generator is suspended.
+        with store._pipeline.read_one(bucket.index) as flight:
+            copies = [
+                (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))
+                for i, entry in zip(bucket.entry_indices, flight.entries, strict=True)
+            ]
+        yield from copies
 
 
 def _groups_of(entries: Sequence[Entry], indices: Sequence[int]) -> list[tuple[int, list[torch.Tensor]]]:

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
-from miles_plugins.optimizers.adam import backend_for, bind_master, is_streamed
 from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.step.adam import backend_for, bind_master, is_streamed
+from miles_plugins.optimizers.step.entries import Entry, StepStats
 from miles_plugins.optimizers.store import StreamingStore
 
 

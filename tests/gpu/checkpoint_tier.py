@@ -226,7 +226,7 @@ def fresh_without_optimizer_state(work: str) -> dict:
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("miles_plugins.optimizers.megatron").addHandler(handler)
+    logging.getLogger("miles_plugins.optimizers.megatron.binding").addHandler(handler)
     args = get_args()
     args.load, args.no_load_optim = os.path.join(work, "ckpt_unstreamed"), True
     ddp, opt, sched, baseline, bindings = streamed(work, "scratch_no_load_optim")
@@ -244,7 +244,7 @@ def fresh_without_optimizer_state(work: str) -> dict:
         for b in bindings:
             b.store.close()
         args.no_load_optim = False
-        logging.getLogger("miles_plugins.optimizers.megatron").removeHandler(handler)
+        logging.getLogger("miles_plugins.optimizers.megatron.binding").removeHandler(handler)
     return {
         "iteration": iteration,
         "warned": [m for m in messages if "Adam starts fresh from the loaded params" in m],

@@ -267,7 +267,7 @@ VARIANTS = {
 
 def flags(directory: str, moment_dtype: str, extra: list[str] = ()) -> argparse.Namespace:
     """What a launcher's parser produces for the streaming flags, plus the Megatron fields it checks."""
-    from miles_plugins.optimizers.args import add_arguments
+    from miles_plugins.optimizers.megatron.args import add_arguments
 
     args = add_arguments(argparse.ArgumentParser()).parse_args(
         [

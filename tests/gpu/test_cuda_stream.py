@@ -118,7 +118,7 @@ def test_forked_children_do_not_copy_a_pinned_host_home():
     """Megatron's DataLoader forks its workers after the optimizer is built: a pinned
     private mapping would be copied into each (16 GiB, two forks: 16.2 GiB measured
     before MADV_DONTFORK). MemAvailable is read while both children are alive."""
-    from miles_plugins.optimizers.io import HostMemory
+    from miles_plugins.optimizers.homes.host_memory import HostMemory
 
     size = 16 << 30
     memory = HostMemory(size, pin=True)

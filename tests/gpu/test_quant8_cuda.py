@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_plugins.optimizers import quant8
-from miles_plugins.optimizers.convert import CHUNK_ELEMENTS
+from miles_plugins.optimizers.formats import quant8
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.store import CONVERSION_SCRATCH_BYTES
 
 pytestmark = [

@@ -34,7 +34,7 @@ def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:
     import ctypes
     import errno
 
-    from miles_plugins.optimizers import fs
+    from miles_plugins.optimizers.homes import fs
 
     def no_exchange(*args):
         ctypes.set_errno(errno.EINVAL)

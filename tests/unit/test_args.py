@@ -7,14 +7,14 @@ import warnings
 import pytest
 
 from miles_plugins.optimizers import StreamConfigError
-from miles_plugins.optimizers.args import (
+from miles_plugins.optimizers.config import DEFAULT_STAGING_BUDGET_MB
+from miles_plugins.optimizers.megatron.args import (
     STATE_SUBDIR,
     add_arguments,
     config_from_args,
     default_directory,
     validate_args,
 )
-from miles_plugins.optimizers.config import DEFAULT_STAGING_BUDGET_MB
 
 # The miles/Megatron fields these checks read, at their launcher defaults.
 BASE = dict(

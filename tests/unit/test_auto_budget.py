@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, auto_budget
-from miles_plugins.optimizers.auto_budget import cgroup_room, host_budget
+from miles_plugins.optimizers import StreamConfig
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
-from miles_plugins.optimizers.io import DeviceBacking
+from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes.auto_budget import cgroup_room, host_budget
+from miles_plugins.optimizers.homes.backings import DeviceBacking
 from tests.unit.reference import assert_same_training, reference_run
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, state_of, train
 
@@ -97,7 +98,7 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     device.held = lambda: store.home_bytes["gpu"]
     store.auto_gpu.memory = device
     assert store.placement["gpu"] == 0  # nobody knows the forward/backward peak before a step
-    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.auto_budget")
+    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
     train(model, optimizer, scheduler, range(0, 1))
     assert _gpu_run(store) == [len(sizes) - 2, len(sizes) - 1]  # what the headroom beyond the margin holds
     assert "2 buckets" in caplog.text and "now stay on the device" in caplog.text
@@ -338,7 +339,7 @@ def test_an_offload_gives_buckets_back_pinning_nothing_and_the_restore_refills(t
 
 
 def test_one_step_per_rollout_leaves_the_home_empty_and_says_so_two_steps_fill_it(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.auto_budget")
+    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
     model, optimizer, scheduler, streamed, store, device = _rl(tmp_path)
     held_by_steps = []
     step = 0
@@ -446,7 +447,7 @@ def test_a_device_s_stores_share_one_budget_until_the_last_closes(tmp_path):
 
 
 def test_on_a_cpu_device_without_allocator_statistics_nothing_moves_and_the_log_says_why(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.auto_budget")
+    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     train(model, optimizer, scheduler, range(3))
     assert streamed.store.placement["gpu"] == 0 and "device is the CPU" in caplog.text
@@ -517,7 +518,7 @@ def _local_ranks_in_a_process_group(tmp_path, world: int, env: dict) -> list[lis
     script = tmp_path / "count.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
-        "from miles_plugins.optimizers import auto_budget\n"
+        "from miles_plugins.optimizers.homes import auto_budget\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=int(sys.argv[1]), "
         f"world_size={world})\n"
         "exact, quiet = auto_budget.local_ranks(group=True), auto_budget.local_ranks()\n"
@@ -555,7 +556,7 @@ def test_ranks_that_see_one_gpu_each_count_the_launcher_s_ranks_per_node(tmp_pat
 
 
 def test_an_auto_host_budget_places_what_it_measured(tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.auto_budget")
+    caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
     monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     sizer = fresh(tmp_path / "sizes", "s", bucket_cap_elements=CAP, tier="host")[3]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.io import FileHandle, HostMemory
+from miles_plugins.optimizers.homes.backings import FileHandle
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,7 +107,7 @@ def test_not_enough_free_space_says_how_much_before_writing(tmp_path):
 def test_tmpfs_directory_works_with_a_warning(caplog):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this machine")
-    from miles_plugins.optimizers.scratch import filesystem_type
+    from miles_plugins.optimizers.homes.scratch import filesystem_type
 
     if filesystem_type("/dev/shm") != "tmpfs":
         pytest.skip("/dev/shm is not tmpfs here")
@@ -166,7 +167,7 @@ def test_an_optimizer_that_already_stepped_is_refused(tmp_path):
 
 
 def test_bucket_files_use_direct_io_where_the_filesystem_allows_it(tmp_path):
-    from miles_plugins.optimizers.scratch import filesystem_type
+    from miles_plugins.optimizers.homes.scratch import filesystem_type
 
     if filesystem_type(str(tmp_path)) not in ("ext4", "xfs"):
         pytest.skip(f"{tmp_path} is on {filesystem_type(str(tmp_path))}, not a disk filesystem")

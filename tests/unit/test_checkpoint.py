@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.entries import Entry
+from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 from tests.unit.reference import (
     Net,
@@ -200,12 +200,12 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
     train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
 
-    import miles_plugins.optimizers.io as io_module
+    import miles_plugins.optimizers.homes.backings as backings_module
 
     def failing_copy(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(io_module, "copy_file_crc32", failing_copy)
+    monkeypatch.setattr(backings_module, "copy_file_crc32", failing_copy)
     with pytest.raises(OSError, match="No space left"):
         streamed.save_to(str(ckpt))
     assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
@@ -376,7 +376,7 @@ def test_a_tampered_manifest_is_refused_and_the_store_is_unchanged(tmp_path, sav
 def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, saved, monkeypatch):
     """Host tier: the second read of a file fails part way (it was replaced or the
     drive failed between the two reads): some buckets are already loaded."""
-    from miles_plugins.optimizers import persistence
+    from miles_plugins.optimizers.checkpoint import persistence
     from miles_plugins.optimizers.errors import StoreUnusableError
 
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")

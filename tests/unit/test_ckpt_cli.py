@@ -12,7 +12,7 @@ import torch
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
+from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
 from tests.unit.test_bad_input import REPO
 
 
@@ -225,8 +225,8 @@ def test_block_checksums_are_each_blocks_crc32_however_the_bytes_arrive():
     import random
     import zlib
 
-    from miles_plugins.optimizers.io import BlockCrc
-    from miles_plugins.optimizers.manifest import crc_mismatch
+    from miles_plugins.optimizers.checkpoint.manifest import crc_mismatch
+    from miles_plugins.optimizers.homes.file_io import BlockCrc
 
     data = random.Random(0).randbytes(10_000)
     for block in (4096, 3000, 10_000, 20_000):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from tests.unit.children import start
 from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, resume
 

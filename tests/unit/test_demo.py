@@ -171,7 +171,7 @@ def test_an_interrupt_while_the_demo_makes_its_directories_leaves_none_behind(tm
     """Ctrl-C on a slow mount, between the first directory's scratch and the second's
     (the interrupt is raised by the second one's creation, standing in for the signal)."""
     from miles_plugins import demo
-    from miles_plugins.optimizers import placement
+    from miles_plugins.optimizers.homes import placement
 
     made = []
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
-from miles_plugins.optimizers.rollback import StepRollback
-from miles_plugins.optimizers.scratch import LOCK_MARKER, purge
+from miles_plugins.optimizers.homes.scratch import LOCK_MARKER, purge
+from miles_plugins.optimizers.step.rollback import StepRollback
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
 from tests.unit.test_bad_input import REPO
@@ -186,7 +186,7 @@ def test_a_hung_drive_fails_the_step_within_its_timeout_and_the_last_checkpoint_
 def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     tmp_path, monkeypatch, caplog, fault_report, placement
 ):
-    from miles_plugins.optimizers import pipeline as pipeline_module
+    from miles_plugins.optimizers.step import pipeline as pipeline_module
     from tests.unit.test_placement import _all_three_homes
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
@@ -226,17 +226,17 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
 def test_a_staging_allocation_failure_is_refused_with_nothing_written(tmp_path, monkeypatch, fault_report):
     import mmap
 
-    from miles_plugins.optimizers import io as io_module
+    from miles_plugins.optimizers.homes import host_memory as host_memory_module
 
     def no_memory(*args, **kwargs):
         # Simulated: exhausting the host's memory for real would take the machine down.
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr(io_module.mmap, "mmap", no_memory)
+    monkeypatch.setattr(host_memory_module.mmap, "mmap", no_memory)
     model = Net(torch.bfloat16)
     with pytest.raises(StreamIOError, match="cannot allocate 16777216 bytes of host memory: Cannot allocate") as info:
         StreamedOptimizer(torch.optim.AdamW(groups(model)), StreamConfig(directory=str(tmp_path / "scratch")))
-    monkeypatch.setattr(io_module.mmap, "mmap", mmap.mmap)
+    monkeypatch.setattr(host_memory_module.mmap, "mmap", mmap.mmap)
     assert os.listdir(tmp_path / "scratch") == []
     fault_report(
         "staging allocation fails at startup",
@@ -291,7 +291,7 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_save(tmp_path, 
 def test_the_save_preflight_refuses_when_the_checkpoint_disk_is_full(tmp_path, monkeypatch, fault_report):
     import shutil
 
-    from miles_plugins.optimizers import fs as fs_module
+    from miles_plugins.optimizers.homes import fs as fs_module
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
@@ -469,7 +469,7 @@ def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path
 def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(
     tmp_path, monkeypatch, fault_report, config, mode, why
 ):
-    from miles_plugins.optimizers import pipeline as pipeline_module
+    from miles_plugins.optimizers.step import pipeline as pipeline_module
 
     config = {**config, "bucket_cap_elements": 500}  # small buckets: the failure comes after some updates
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
@@ -529,7 +529,7 @@ def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report
 def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch, fp32_param_moments):
     """fp32-native params are updated in place, last: a failure there cannot be
     rolled back, and the store must not claim it was."""
-    from miles_plugins.optimizers.adam import BucketOptimizer
+    from miles_plugins.optimizers.step.adam import BucketOptimizer
 
     config = {"fp32_param_moments": fp32_param_moments}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)

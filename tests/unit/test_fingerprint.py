@@ -10,7 +10,7 @@ import pytest
 
 from ci.megatron_sources import wheel_tree
 from megatron_hooks import fingerprint
-from miles_plugins.optimizers.pins import PINS
+from miles_plugins.optimizers.megatron.pins import PINS
 
 SOURCE = '''
 class A:
@@ -98,7 +98,7 @@ def test_drift_command_reads_the_registered_pins_and_exits_by_outcome(wheel_019,
 def test_megatron_hooks_imports_without_torch():
     code = (
         "import sys, megatron_hooks.checkpoint, megatron_hooks.patching, megatron_hooks.fingerprint, "
-        "megatron_hooks.__main__, miles_plugins.optimizers.pins; assert 'torch' not in sys.modules, 'torch imported'"
+        "megatron_hooks.__main__, miles_plugins.optimizers.megatron.pins; assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from miles_plugins.optimizers.io import HostMemory
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK is Linux's")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.layout import ALIGNMENT, SEGMENTS, layout_bucket, plan_buckets
+from miles_plugins.optimizers.formats.layout import ALIGNMENT, SEGMENTS, layout_bucket, plan_buckets
 
 
 def test_buckets_respect_the_cap_and_keep_order():

@@ -236,7 +236,7 @@ def test_the_rollback_snapshot_never_reads_a_device_scalar_back_to_the_host():
     reading it (``.item()``) would be a device synchronization per param per bucket
     per step. The meta device stands in for a GPU here: any read of a meta
     tensor's value raises, so a snapshot that reads one fails."""
-    from miles_plugins.optimizers.adam import TorchAdamBackend
+    from miles_plugins.optimizers.step.adam import TorchAdamBackend
 
     main = torch.zeros(8)
     bucket = TorchAdamBackend(torch.optim.AdamW([main], lr=1e-2)).build([(0, [main])])
@@ -268,7 +268,7 @@ class _GroupStepAdamW(torch.optim.AdamW):
 def test_group_step_state_absent_before_the_first_step_is_restored_absent():
     """A failed first step of a fused Adam must not leave group["step"] = 1 behind,
     nor may importing a never-stepped save keep a live group's step."""
-    from miles_plugins.optimizers.adam import AdamBackend
+    from miles_plugins.optimizers.step.adam import AdamBackend
 
     class GroupStepBackend(AdamBackend):
         master_types = (_GroupStepAdamW,)

@@ -38,9 +38,9 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfigError,
 )
 from miles_plugins.optimizers import store as store_module  # noqa: E402
-from miles_plugins.optimizers.auto_budget import AutoGpuBudget  # noqa: E402
-from miles_plugins.optimizers.io import DeviceBacking  # noqa: E402
-from miles_plugins.optimizers.megatron import (  # noqa: E402
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
+from miles_plugins.optimizers.homes.backings import DeviceBacking  # noqa: E402
+from miles_plugins.optimizers.megatron.binding import (  # noqa: E402
     STREAMED_STATE_KEY,
     MegatronBinding,
     _MainsWithoutStorage,
@@ -361,7 +361,7 @@ def test_zero_grad_releases_reads_prefetched_for_a_step_that_never_ran(tmp_path)
 def test_streaming_an_optimizer_twice_is_refused(tmp_path):
     """A second store would take the first one's released (empty) mains as its
     initial state."""
-    from miles_plugins.optimizers.megatron import attach
+    from miles_plugins.optimizers.megatron.binding import attach
 
     opt, _, binding = bind(tmp_path)
     with pytest.raises(StreamConfigError, match="this optimizer streams already"):
@@ -373,7 +373,7 @@ def test_streaming_an_optimizer_twice_is_refused(tmp_path):
 def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path, monkeypatch):
     """The budget bounds the rank's pinned host memory (miles documents
     --offload-train-disk-chunk-mb so), however many optimizers the chain holds."""
-    from miles_plugins.optimizers import megatron
+    from miles_plugins.optimizers.megatron import binding as megatron
 
     # The patched-tree and drift checks need megatron.training, which the 0.16 wheel here lacks.
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)
@@ -400,7 +400,7 @@ def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path
 def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkeypatch, tier):
     """The GPU and host budgets are the rank's: the first store takes what it places,
     the next what is left (buckets the tier takes count against no budget)."""
-    from miles_plugins.optimizers import megatron
+    from miles_plugins.optimizers.megatron import binding as megatron
 
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)  # needs megatron.training (see above)
     sizes = bucket_sizes(tmp_path)  # both members have the same layout

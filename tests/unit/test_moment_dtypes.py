@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from bench import moment_formats
-from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, convert, quant8
-from miles_plugins.optimizers.layout import layout_bucket
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.formats import convert, quant8
+from miles_plugins.optimizers.formats.layout import layout_bucket
 from tests.unit import test_checkpoint as checkpoint_tests
 from tests.unit.reference import Net, between_steps, groups, loss_fn, same_bytes, schedule
 from tests.unit.test_bit_identity import streamed_run

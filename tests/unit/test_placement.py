@@ -10,12 +10,15 @@ import re
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, auto_budget
+from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
-from miles_plugins.optimizers.fs import parse_size
-from miles_plugins.optimizers.io import BlockCrc, DeviceBacking, HostMemory
-from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.placement import assign_homes, plan_disk, spread_over_directories
+from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes.file_io import BlockCrc
+from miles_plugins.optimizers.homes.fs import parse_size
+from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.placement import assign_homes, plan_disk, spread_over_directories
 from tests.faults import FaultPlan
 from tests.unit.reference import (
     Net,

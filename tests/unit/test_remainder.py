@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, convert
-from miles_plugins.optimizers.remainder import decode_in_place, encode_in_place
+from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer
+from miles_plugins.optimizers.formats import convert
+from miles_plugins.optimizers.formats.remainder import decode_in_place, encode_in_place
 
 
 def _bits(values: list[int]) -> torch.Tensor:

@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from miles_plugins.optimizers import fs
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.homes import fs
 from tests.unit.children import start
 from tests.unit.reference import assert_same_training, reference_run
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, state_of, train
@@ -53,7 +53,7 @@ def test_a_save_replaces_the_previous_one_without_the_exchange(tmp_path, caplog,
     ckpt = tmp_path / "ckpt"
     model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
     train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.fs"):
+    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.homes.fs"):
         streamed.save_to(str(ckpt))
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
     assert "replacing saved state with a rename pair" in caplog.text

@@ -14,9 +14,10 @@ import shutil
 import pytest
 import torch
 
-from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig, quant8
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.entries import Entry
+from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
+from miles_plugins.optimizers.formats import quant8
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 from tests.unit.reference import same_bytes
 from tests.unit.test_reshard import megatron_param_layout, megatron_shards
@@ -330,7 +331,8 @@ def test_other_tp_sizes_are_refused_naming_them(tmp_path):
 @pytest.mark.parametrize("config", ["disk-fp32", "disk-remainder", "fp32-moments-resident"])
 def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch, capsys):
     """Offline, through the same reads and plan; the new ranks then load without resharding."""
-    from miles_plugins.optimizers import ckpt, persistence
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
+    from miles_plugins.optimizers.checkpoint import persistence
 
     saved = _saved(tmp_path, 2, CONFIGS[config], SAVE_AT, "iter_0000003")
     out = tmp_path / "new" / "iter_0000003"
@@ -350,7 +352,7 @@ def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(t
 
 
 def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_path, capsys):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
     path = saved / "streamed_optimizer_state" / "rank1.opt0" / "bucket_00001.bin"
@@ -364,7 +366,7 @@ def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_p
 
 
 def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, capsys):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
     from tests.unit.test_checkpoint import rewrite_manifest
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
@@ -391,7 +393,7 @@ def test_a_save_cut_off_while_replacing_is_read_from_its_previous_copy(tmp_path)
 def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
     """Every storage format: the stores written offline, loaded as their own, hold what
     a resharded load of the original checkpoint holds."""
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     settings = {"8bit": dict(moment_dtype="8bit"), "bf16": dict(moment_dtype="bf16"), "host": dict(tier="host")}[config]
     saved = _saved(tmp_path, 2, settings, 2, "iter_0000002")
@@ -410,7 +412,7 @@ def test_ckpt_reshard_gives_the_state_an_online_reshard_gives(tmp_path, config):
 
 @pytest.mark.parametrize("inside", ["streamed_optimizer_state/rank2.opt0", "streamed_optimizer_state/dp3", "."])
 def test_ckpt_reshard_never_writes_into_the_state_it_reads(tmp_path, inside, capsys):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(saved / inside)]) == 1
@@ -419,7 +421,7 @@ def test_ckpt_reshard_never_writes_into_the_state_it_reads(tmp_path, inside, cap
 
 
 def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
     from tests.unit.test_checkpoint import rewrite_manifest
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
@@ -430,7 +432,8 @@ def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys)
 
 
 def test_ckpt_reshard_says_a_plain_pytorch_save_has_no_parallelism_to_reshard(tmp_path, capsys):
-    from miles_plugins.optimizers import StreamedOptimizer, ckpt
+    from miles_plugins.optimizers import StreamedOptimizer
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     param = torch.nn.Parameter(torch.randn(1000, dtype=torch.bfloat16))
     front = StreamedOptimizer(torch.optim.AdamW([param]), StreamConfig(directory=str(tmp_path / "s"), name="rank0"))
@@ -447,8 +450,8 @@ def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, cap
     """Two reshards into one place: the second is refused while the first holds the
     output's lock (it used to remove the first's partial output, which then
     renamed what was left into place and reported success)."""
-    from miles_plugins.optimizers import ckpt
-    from miles_plugins.optimizers.fs import lock_file, unlock_file
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
+    from miles_plugins.optimizers.homes.fs import lock_file, unlock_file
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     out = tmp_path / "new" / "iter_0000002"
@@ -471,7 +474,7 @@ def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, cap
 
 
 def test_ckpt_reshard_names_a_missing_store_instead_of_failing_inside(tmp_path, capsys):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     shutil.rmtree(saved / "streamed_optimizer_state" / "rank0.opt0")
@@ -482,7 +485,8 @@ def test_ckpt_reshard_names_a_missing_store_instead_of_failing_inside(tmp_path, 
 
 
 def test_ckpt_reshard_checks_free_space_before_writing(tmp_path, capsys, monkeypatch):
-    from miles_plugins.optimizers import ckpt, fs
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
+    from miles_plugins.optimizers.homes import fs
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     usage = shutil.disk_usage(tmp_path)
@@ -517,7 +521,7 @@ def test_ckpt_reshard_cancelled_by_sigterm_leaves_nothing(tmp_path):
 
 @pytest.mark.parametrize("stray", ["symlink", "copy"])
 def test_ckpt_reshard_refuses_a_store_a_load_would_not_read(tmp_path, capsys, stray):
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     state = saved / "streamed_optimizer_state"
@@ -539,7 +543,7 @@ def test_ckpt_reshard_goes_on_unlocked_where_the_filesystem_has_no_flock(tmp_pat
     import errno
     import fcntl
 
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
 
@@ -558,7 +562,7 @@ def test_ckpt_reshard_goes_on_unlocked_where_the_filesystem_has_no_flock(tmp_pat
 def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load_refuses_it(tmp_path):
     """A save from a version that offered fp16 moments: the command says what the online
     load says (it died with a KeyError traceback), exit 1 as for any checkpoint it cannot read."""
-    from miles_plugins.optimizers.manifest import removed_moment_dtype
+    from miles_plugins.optimizers.checkpoint.manifest import removed_moment_dtype
     from tests.unit.test_checkpoint import rewrite_manifest
     from tests.unit.test_ckpt_cli import _inspect as ckpt_cli
 
@@ -578,7 +582,7 @@ def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load
 def test_ckpt_reshard_passes_a_stray_file_by_as_a_load_does(tmp_path, capsys):
     """A note beside the stores blocked the rewrite ("not a plain directory (a load
     refuses it)"), though loads never read it."""
-    from miles_plugins.optimizers import ckpt
+    from miles_plugins.optimizers.checkpoint import cli as ckpt
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
     (saved / "streamed_optimizer_state" / "NOTES.txt").write_text("copied from cluster A\n")

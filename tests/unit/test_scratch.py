@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamingStore
-from miles_plugins.optimizers.adam import backend_for
-from miles_plugins.optimizers.entries import Entry
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from tests.unit.test_bad_input import REPO, _wrap
 
 

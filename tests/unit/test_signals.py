@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from miles_plugins.optimizers import scratch as scratch_module
-from miles_plugins.optimizers.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.homes import scratch as scratch_module
 from tests.unit.children import start
 from tests.unit.test_bad_input import REPO, _wrap
 

@@ -37,10 +37,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from miles_plugins.optimizers.adam import BucketOptimizer
-from miles_plugins.optimizers.codec import Codec
+from miles_plugins.optimizers.checkpoint.manifest import (
+    CRC_BLOCK_BYTES,
+    RESIDENT_FILE,
+    Manifest,
+    crc_mismatch,
+    differences,
+)
+from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad, can_reshard_from, find_peers
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
-from miles_plugins.optimizers.fs import (
+from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.file_io import BlockCrc, copy_file_crc32, pwrite_full
+from miles_plugins.optimizers.homes.fs import (
     check_plain_dir,
     create_file,
     fsync,
@@ -53,11 +61,10 @@ from miles_plugins.optimizers.fs import (
     replace_dir,
     require_free_space,
 )
-from miles_plugins.optimizers.io import BlockCrc, HostMemory, copy_file_crc32, pwrite_full
-from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest, crc_mismatch, differences
-from miles_plugins.optimizers.reshard_load import ReshardedLoad, can_reshard_from, find_peers
-from miles_plugins.optimizers.scratch import live_scratch_overlap
+from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.scratch import live_scratch_overlap
+from miles_plugins.optimizers.step.adam import BucketOptimizer
+from miles_plugins.optimizers.step.codec import Codec
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ class Entry:
     ``name`` and ``start`` say which elements of which param the entry holds
     (``main`` is elements ``[start, start + numel)`` of the param named ``name``):
     checkpoints record them so a load under another sharding can find its
-    elements (``reshard.py``).
+    elements (``checkpoint/reshard_plan.py``).
     """
 
     param: torch.Tensor

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers.convert import chunks, stored_view
+from miles_plugins.optimizers.formats.convert import chunks, stored_view
 
 STORAGE_DTYPE = torch.int16  # the low 16 bits, as stored
 _TIE = -0x8000  # 0x8000 read as int16

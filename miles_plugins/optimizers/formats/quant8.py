@@ -45,7 +45,7 @@ import zlib
 
 import torch
 
-from miles_plugins.optimizers.convert import CHUNK_ELEMENTS, chunks
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks
 
 # Elements per block: bitsandbytes' 8-bit optimizers use 256. Scales then cost
 # 4 / 256 = 0.016 bytes per element.

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hooks.contract import STORE_ATTR
-from miles_plugins.optimizers import scratch
 from miles_plugins.optimizers.config import (
     AUTO,
     DEFAULT_AUTO_GPU_MARGIN_BYTES,
@@ -40,6 +39,7 @@ from miles_plugins.optimizers.config import (
     StreamConfig,
 )
 from miles_plugins.optimizers.errors import StreamConfigError
+from miles_plugins.optimizers.homes import scratch
 
 STREAM_FLAG = "stream_optimizer_state_to_disk"
 MOMENT_FLAG = "--stream-optimizer-state-moment-dtype"

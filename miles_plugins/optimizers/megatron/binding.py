@@ -67,14 +67,14 @@ from torch.overrides import TorchFunctionMode
 from megatron_hooks import fingerprint
 from megatron_hooks.checkpoint import check_patched
 from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR
-from miles_plugins.optimizers import auto_budget
-from miles_plugins.optimizers.adam import backend_for, bind_master
-from miles_plugins.optimizers.args import refusals_of_optimizer
-from miles_plugins.optimizers.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.config import AUTO, StreamConfig
-from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
-from miles_plugins.optimizers.pins import PINS
+from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
+from miles_plugins.optimizers.megatron.args import refusals_of_optimizer
+from miles_plugins.optimizers.megatron.pins import PINS
+from miles_plugins.optimizers.step.adam import backend_for, bind_master
+from miles_plugins.optimizers.step.entries import Entry, StepStats
 from miles_plugins.optimizers.store import StreamingStore
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class MegatronBinding:
             optimizer_instance=opt.distributed_optimizer_instance_id,
         )
         return {
-            # The saves this rank's state can be resharded from name the same peers (reshard_load.py).
+            # The saves this rank's state can be resharded from name the same peers (checkpoint/reshard_load.py).
             "shard_peers": peers,
             "world_size": torch.distributed.get_world_size(),
             "tp_size": mpu.get_tensor_model_parallel_world_size(),

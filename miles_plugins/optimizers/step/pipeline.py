@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_plugins.optimizers.adam import BucketOptimizer
-from miles_plugins.optimizers.codec import Codec, stored_bytes
-from miles_plugins.optimizers.entries import Entry, StepStats
 from miles_plugins.optimizers.errors import StreamIOTimeout
-from miles_plugins.optimizers.io import Ticket, Transfer
-from miles_plugins.optimizers.layout import MOMENT_SEGMENTS, BucketLayout
+from miles_plugins.optimizers.formats.layout import MOMENT_SEGMENTS, BucketLayout
+from miles_plugins.optimizers.homes.engines import Ticket, Transfer
+from miles_plugins.optimizers.step.adam import BucketOptimizer
+from miles_plugins.optimizers.step.codec import Codec, stored_bytes
+from miles_plugins.optimizers.step.entries import Entry, StepStats
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Pipeline:
     Args:
         entries: the store's entries (buckets index into them).
         buckets, optimizers: the layout and each bucket's optimizer.
-        backing, engine: where the bytes live and how they move (``io.py``).
+        backing, engine: where the bytes live and how they move (``homes/backings.py``, ``homes/engines.py``).
         codec: the storage formats.
         depth: the most buckets materialized at once.
         device: where buckets are materialized (CUDA ordering uses events).

@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from miles_plugins.optimizers.entries import EntryFn
-from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.pipeline import Flight, Pipeline
-from miles_plugins.optimizers.placement import Placement
+from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.placement import Placement
+from miles_plugins.optimizers.step.entries import EntryFn
+from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where each bucket lives between steps: its *home*, and the backing that routes to it.
 
 Homes (``config.HOMES``): ``gpu`` (the compute device's memory,
-:class:`~miles_plugins.optimizers.io.DeviceBacking`), ``host`` (pinned host
+:class:`~miles_plugins.optimizers.homes.backings.DeviceBacking`), ``host`` (pinned host
 memory, ``HostBacking``) and ``disk`` (two slots of files, ``FileBacking``).
 :func:`assign_homes` fills the GPU budget, then the host budget, from the last
 bucket a step visits backwards; the rest go to the tier. The step walks buckets
@@ -48,10 +48,12 @@ import torch
 
 from miles_plugins.optimizers.config import HOMES, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
-from miles_plugins.optimizers.fs import format_bytes
-from miles_plugins.optimizers.io import BlockCrc, FileBacking, HostMemory
-from miles_plugins.optimizers.layout import BucketLayout
-from miles_plugins.optimizers.scratch import ScratchDir
+from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.backings import FileBacking
+from miles_plugins.optimizers.homes.file_io import BlockCrc
+from miles_plugins.optimizers.homes.fs import format_bytes
+from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers import quant8
+from miles_plugins.optimizers.formats import quant8
 
 # O_DIRECT needs file offsets, lengths and buffers aligned to the logical block
 # size; 4096 covers every NVMe and filesystem we target.

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers import quant8, remainder
-from miles_plugins.optimizers.convert import narrow_in_place, widen_in_place
-from miles_plugins.optimizers.layout import BucketLayout, Segment
+from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats.convert import narrow_in_place, widen_in_place
+from miles_plugins.optimizers.formats.layout import BucketLayout, Segment
 
 
 def stored_bytes(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:

@@ -8,7 +8,7 @@ as ``DistributedOptimizer`` computes it: each bucket padded to a multiple of
 bandwidth) and cut into ``dp`` equal ranges; a rank's entries follow the
 master's param groups, each group in bucket order, bf16 params before fp32
 ones; its streaming buckets follow the saved bucket cap. Each new store is
-then filled by the same :class:`~miles_plugins.optimizers.reshard_load.ReshardedLoad`
+then filled by the same :class:`~miles_plugins.optimizers.checkpoint.reshard_load.ReshardedLoad`
 a resharded load uses (the same plan, verified reads and requantization),
 writing files instead of a live store's slots, and saved with its manifest.
 
@@ -32,10 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers import remainder
+from miles_plugins.optimizers.checkpoint.manifest import (
+    CHECKSUM_KEY,
+    CRC_BLOCK_BYTES,
+    RESIDENT_FILE,
+    Manifest,
+    differences,
+    removed_moment_dtype,
+)
+from miles_plugins.optimizers.checkpoint.reshard_load import Peer, ReshardedLoad, chain_position
+from miles_plugins.optimizers.checkpoint.reshard_plan import Piece
 from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
-from miles_plugins.optimizers.fs import (
+from miles_plugins.optimizers.formats import remainder
+from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_store
+from miles_plugins.optimizers.homes.file_io import file_crcs, pwrite_full
+from miles_plugins.optimizers.homes.fs import (
     create_file,
     fsync,
     fsync_dir,
@@ -47,18 +59,6 @@ from miles_plugins.optimizers.fs import (
     require_free_space,
     unlock_file,
 )
-from miles_plugins.optimizers.io import file_crcs, pwrite_full
-from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_store
-from miles_plugins.optimizers.manifest import (
-    CHECKSUM_KEY,
-    CRC_BLOCK_BYTES,
-    RESIDENT_FILE,
-    Manifest,
-    differences,
-    removed_moment_dtype,
-)
-from miles_plugins.optimizers.reshard import Piece
-from miles_plugins.optimizers.reshard_load import Peer, ReshardedLoad, chain_position
 
 STAGING_BYTES = 16 << 20
 

@@ -32,7 +32,7 @@ from miles_plugins.optimizers.errors import StreamIOError
 
 logger = logging.getLogger(__name__)
 
-# The file a complete save holds (written last, see ``manifest.py``). Named here, where
+# The file a complete save holds (written last, see ``checkpoint/manifest.py``). Named here, where
 # no torch is imported, so that the scratch purge can tell a save from scratch.
 MANIFEST_NAME = "manifest.json"
 
@@ -337,7 +337,7 @@ def replace_dir(new: str, final: str) -> None:
     directory moves to :func:`previous_path`, ``new`` moves to ``final``, the
     previous one is removed. A crash between the first two renames leaves no
     ``final`` but the complete previous directory at ``previous_path(final)``:
-    readers fall back to it (see ``persistence.py``), and the next replace
+    readers fall back to it (see ``checkpoint/persistence.py``), and the next replace
     removes it only once a new ``final`` is in place. At no instant is neither
     complete directory there. Entries are fsynced after every rename.
     """

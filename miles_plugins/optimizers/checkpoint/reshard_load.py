@@ -32,13 +32,19 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers import quant8, remainder
+from miles_plugins.optimizers.checkpoint.manifest import (
+    MANIFEST_NAME,
+    RESIDENT_FILE,
+    Manifest,
+    crc_mismatch,
+    differences,
+)
+from miles_plugins.optimizers.checkpoint.reshard_plan import Copy, Piece, RemapError, plan
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.fs import check_plain_dir, open_file, saved_dirs
-from miles_plugins.optimizers.io import BlockCrc, pread_full
-from miles_plugins.optimizers.layout import MAIN_DTYPE, BucketLayout, layout_bucket
-from miles_plugins.optimizers.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch, differences
-from miles_plugins.optimizers.reshard import Copy, Piece, RemapError, plan
+from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_bucket
+from miles_plugins.optimizers.homes.file_io import BlockCrc, pread_full
+from miles_plugins.optimizers.homes.fs import check_plain_dir, open_file, saved_dirs
 
 
 def chain_position(name: str) -> str:
@@ -179,7 +185,7 @@ class ReshardedLoad:
     """Rebuild one store's state from its peers' saves (see the module docstring).
 
     ``persistence`` is the live store's
-    :class:`~miles_plugins.optimizers.persistence.Persistence`: its description
+    :class:`~miles_plugins.optimizers.checkpoint.persistence.Persistence`: its description
     (``pieces``: per bucket, per entry [param name, start, group]), buckets,
     backing, staging buffer and resident mains. Construction plans every copy
     and checks the peers' files (presence, sizes, layouts) without reading them.

@@ -30,7 +30,7 @@ from typing import Any
 
 from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.fs import MANIFEST_NAME, fsync, open_file  # MANIFEST_NAME: imported from here too
+from miles_plugins.optimizers.homes.fs import MANIFEST_NAME, fsync, open_file  # MANIFEST_NAME: imported from here too
 
 logger = logging.getLogger(__name__)
 

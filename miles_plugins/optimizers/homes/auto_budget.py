@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from miles_plugins.optimizers.config import AUTO
-from miles_plugins.optimizers.placement import DEVICE_FILL_ORDER
+from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,228 @@
+"""How a bucket's chunks are scheduled between a backing and the device.
+
+:class:`SyncEngine` runs them at once on the caller's thread through one staging
+buffer (the baseline); :class:`PipelinedEngine` runs them on reader and writer
+threads, several requests in flight per direction, each thread with its own
+staging chunk and CUDA stream, so reads of one bucket and writes of another
+overlap each other and the caller's compute. A submission returns a
+:class:`Ticket` to wait on.
+
+Host memory for streaming is the staging chunks, whatever the state size (the
+host home adds the state itself, which is its point).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from miles_plugins.optimizers.errors import StreamIOTimeout
+from miles_plugins.optimizers.homes.host_memory import HostMemory
+
+# One transfer: (byte offset in the bucket, flat uint8 view of a device tensor).
+Transfer = tuple[int, torch.Tensor]
+
+
+class Ticket:
+    """Transfers submitted together; ``wait()`` returns when all are done and
+    raises the first failure (after every transfer has stopped touching memory),
+    or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``
+    (or the ``timeout_s`` given to that wait: an abort after a failure waits
+    only for what is left of its own deadline)."""
+
+    def __init__(
+        self, futures: Sequence[concurrent.futures.Future] = (), name: str = "", timeout_s: float | None = None
+    ) -> None:
+        self._futures = list(futures)
+        self._name = name
+        self._timeout_s = timeout_s
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
+        if pending:
+            raise StreamIOTimeout(
+                f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
+                f"{len(self._futures)} requests still pending (a hung drive?)",
+                self._name,
+                0,
+                errno.ETIMEDOUT,
+            )
+        first = None
+        for future in self._futures:
+            if future.exception() is not None:
+                first = first or future.exception()
+        self._futures.clear()
+        if first is not None:
+            raise first
+
+
+def _chunks(transfers: Sequence[Transfer], chunk: int):
+    for offset, tensor in transfers:
+        for start in range(0, tensor.numel(), chunk):
+            yield offset + start, tensor[start : start + chunk]
+
+
+class SyncEngine:
+    """The baseline: each transfer runs now, on the caller's thread and stream
+    (so it is ordered after the caller's work without an event), chunk by chunk
+    through one staging buffer."""
+
+    def __init__(self, chunk_bytes: int, pin: bool) -> None:
+        self.staging = HostMemory(chunk_bytes, pin)
+
+    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        for offset, dst in _chunks(transfers, self.staging.nbytes):
+            handle.read(offset, dst, self.staging)
+        return Ticket()
+
+    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        for offset, src in _chunks(transfers, self.staging.nbytes):
+            handle.write(offset, src, self.staging)
+        return Ticket()
+
+    def idle_buffer(self) -> HostMemory:
+        return self.staging
+
+    def close(self, wait: bool = True) -> None:
+        self.staging.release()
+
+
+class _DaemonPool:
+    """``threads`` daemon threads serving a queue of calls, each with its future.
+
+    ``concurrent.futures.ThreadPoolExecutor`` joins its threads at interpreter
+    exit: one thread stuck in a read from a hung drive would keep the process
+    (and, since that join runs before ``atexit``, its scratch) alive forever.
+    Daemon threads are abandoned at exit instead.
+    """
+
+    def __init__(self, threads: int, name: str, init: Callable[[], None]) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(init,), name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, init: Callable[[], None]) -> None:
+        init()
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self, wait: bool) -> None:
+        """Stop the threads after the calls already queued (``wait``), or cancel
+        those calls and leave running ones behind (``wait=False``: they hang)."""
+        if not wait:
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call[0].cancel()
+        for _ in self._threads:
+            self._calls.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+class PipelinedEngine:
+    """Reader and writer threads, ``threads`` of each per queue: every chunk is one
+    request, so up to ``threads`` reads and ``threads`` writes are in flight at once
+    on each queue. A handle's ``io_queue`` (one per state directory; 0 for memory)
+    picks the threads that serve it, so each drive gets its own requests
+    in flight instead of waiting behind another drive's in one FIFO. A handle
+    ``on_caller_stream`` (device memory) is served at once on the caller's thread
+    and stream instead: a device-to-device copy is asynchronous, so a worker
+    stream's copy would be ordered neither with the caller's update nor with the
+    caching allocator, which may hand a released bucket's memory out again.
+
+    Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
+    device copy runs on that stream and is complete before the thread takes its
+    next request, so a staging chunk is never reused while a copy reads it.
+
+    Ordering with the caller's stream: ``ready`` is an event the caller records
+    after the last work that must come first; each request's copy waits for it
+    on the device. A write needs it (the update must be done before its bytes
+    are copied out); so does a read into freshly allocated memory (the caching
+    allocator hands out blocks whose previous users on the caller's stream may
+    still be running). Tensors a read fills are used only after its ticket is
+    waited on.
+    """
+
+    def __init__(
+        self, threads: int, chunk_bytes: int, pin: bool, device: torch.device, timeout_s: float, queues: int = 1
+    ) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._stagings = [HostMemory(chunk_bytes, pin) for _ in range(2 * threads * queues)]
+        self._device = device
+        self._local = threading.local()
+        pool = iter(self._stagings)
+        lock = threading.Lock()
+
+        def init_worker() -> None:
+            with lock:
+                self._local.staging = next(pool)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                self._local.stream = torch.cuda.Stream(device)
+
+        self._readers = [_DaemonPool(threads, f"stream-read{q}", init_worker) for q in range(queues)]
+        self._writers = [_DaemonPool(threads, f"stream-write{q}", init_worker) for q in range(queues)]
+
+    def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        local = self._local
+        if self._device.type != "cuda":
+            op(offset, tensor, local.staging)
+            return
+        with torch.cuda.stream(local.stream):
+            if ready is not None:
+                local.stream.wait_event(ready)
+            op(offset, tensor, local.staging)
+
+    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        return self._submit(self._readers, handle.read, handle, handle.read_path, transfers, ready)
+
+    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        return self._submit(self._writers, handle.write, handle, handle.write_path, transfers, ready)
+
+    def _submit(self, pools, op, handle, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
+        chunks = _chunks(transfers, self.chunk_bytes)
+        if handle.on_caller_stream:
+            for offset, tensor in chunks:
+                op(offset, tensor, None)
+            return Ticket()
+        pool = pools[handle.io_queue]
+        return Ticket([pool.submit(self._run, op, o, t, ready) for o, t in chunks], path, self.timeout_s)
+
+    def idle_buffer(self) -> HostMemory:
+        """A staging chunk the caller may use while no transfer is in flight."""
+        return self._stagings[0]
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the threads; with ``wait=False`` (after a timeout) hung requests are
+        abandoned, and their staging stays allocated for them."""
+        for pool in (*self._readers, *self._writers):
+            pool.shutdown(wait)
+        if wait:
+            for staging in self._stagings:
+                staging.release()
