@@ -60,7 +60,7 @@ matrix: venv
 
 # Benchmarks write JSON under bench-results/ and print a table. `make bench` times the
 # optimizer step in every mode (bench/optimizer_step.py); on the GPU machine run it with
-# the machine's own python (see the README's Performance section).
+# the machine's own python (see docs/performance.md).
 bench: venv
 	$(PY) -m bench.optimizer_step $(BENCH_ARGS)
 
