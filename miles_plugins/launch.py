@@ -53,7 +53,7 @@ USAGE = """usage: python -m miles_plugins.launch SCRIPT.py [script args]
 Runs a Megatron-LM training script (pretrain_gpt.py and its siblings) unmodified,
 with the optimizer-state streaming flags added to Megatron's argument parser and
 streaming set up right after the optimizer is built. Turn it on with
---stream-optimizer-state-to-disk (see the README for the other flags)."""
+--stream-optimizer-state-to-disk (docs/megatron.md lists every flag)."""
 
 STREAM_FLAG = "--stream-optimizer-state-to-disk"
 

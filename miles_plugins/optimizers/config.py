@@ -88,7 +88,7 @@ DEFAULT_STAGING_BUDGET_MB = 128
 # small to give every I/O thread chunks this large funds fewer threads, each with larger
 # requests. On the GPU machine's drive (direct I/O), the step at 16 MiB over the step at
 # 256 MiB of the same run: 1.18 as four 2 MiB requests per direction (the slowest budget
-# in each of three rounds), 1.14 as two of 4 MiB; 0.92 and 0.87 as one of 8 MiB (README,
+# in each of three rounds), 1.14 as two of 4 MiB; 0.92 and 0.87 as one of 8 MiB (docs/performance.md,
 # Staging budget).
 STAGING_REQUEST_MB = 8
 

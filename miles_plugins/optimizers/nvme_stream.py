@@ -2,8 +2,9 @@
 
 ::
 
-    from miles_plugins.optimizers.nvme_stream import build_without_mains, setup_optimizer_state_streaming
+    from miles_plugins.optimizers.nvme_stream import add_arguments, build_without_mains, setup_optimizer_state_streaming
 
+    add_arguments(parser)                                # the streaming flags, where the launcher builds its parser
     with build_without_mains(args):                      # optional: no fp32 mains on the device at build
         optimizer = get_megatron_optimizer(config, model_chunks)
     setup_optimizer_state_streaming(args, optimizer)     # before load_checkpoint
@@ -24,10 +25,13 @@ from typing import Any
 
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.homes import scratch
-from miles_plugins.optimizers.megatron.args import STREAM_FLAG, config_from_args, validate_args
+from miles_plugins.optimizers.megatron.args import STREAM_FLAG, add_arguments, config_from_args, validate_args
 from miles_plugins.optimizers.megatron.binding import MegatronBinding, attach, deferred_mains
 
 logger = logging.getLogger(__name__)
+
+# What a launcher calls, from this one stable path (the modules behind it may move).
+__all__ = ["add_arguments", "build_without_mains", "setup_optimizer_state_streaming", "stream_optimizer_state"]
 
 
 def _global_rank() -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_plugins.optimizers.args import add_arguments
+from miles_plugins.optimizers.nvme_stream import add_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
