@@ -25,6 +25,8 @@ BF16_MAIN_TOLERANCE = 5e-3
 # The issue's bound for 8-bit moments: final loss (mean of the last steps) within
 # 2% of the run with fp32 moments, after 200 steps.
 TRAINING_STEPS, LOSS_TOLERANCE = 200, 0.02
+# Steps over which the streamed 8-bit run must equal the plain loop byte for byte.
+EXACT_STEPS = 20
 
 
 def test_bf16_moments_stay_within_tolerance_of_fp32_moments(tmp_path):
@@ -253,21 +255,42 @@ def test_8bit_moments_stream_exactly_as_a_plain_loop_storing_them_in_8bit(tmp_pa
     streamed.close()
 
 
-def test_8bit_moments_train_within_2_percent_of_fp32_moments_and_unscaled_8bit_does_not(tmp_path):
-    """The demo's model on a Markov corpus (loss floor 1.21 nats) for 200 steps.
-    The control stores the same 8-bit codes without any scale: it must break the bound,
-    or the bound proves nothing about the scales."""
+class ComputesInFp32(torch.nn.Module):
+    """The demo's model with its bf16 params (so the store keeps fp32 mains and 8-bit
+    moments for them, as in training) whose forward and backward compute in fp32.
+    bf16 arithmetic is not what the training test measures, and on a CPU without
+    AVX-512 bf16 a bf16 matmul takes a slow path: there the demo's model took ~6x
+    as long per step as in fp32 (and the test 1,600 s on a newcomer's machine)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # The fp32 copies' gradients come back to the bf16 params through the casts.
+        upcast = {name: p.float() for name, p in self.model.named_parameters()}
+        return torch.func.functional_call(self.model, upcast, (tokens,))
+
+
+def test_8bit_moments_train_within_2_percent_of_fp32_moments_and_unscaled_8bit_does_not(tmp_path, monkeypatch):
+    """The demo's model (bf16 params, fp32 compute) on a Markov corpus (loss floor
+    1.21 nats) for 200 steps. The control stores the same 8-bit codes without any
+    scale: it must break the bound, or the bound proves nothing about the scales.
+    (At 100 steps the control stays within 2%: the steps cannot be cut.)"""
+    build_model = moment_formats.build_model
+    monkeypatch.setattr(moment_formats, "build_model", lambda device: ComputesInFp32(build_model(device)))
     data = moment_formats.batches(TRAINING_STEPS)
     fp32 = moment_formats.final_loss(moment_formats.train("fp32", data)["losses"])
-    config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit", bucket_cap_elements=65_536)
-    streamed = moment_formats.train("8bit", data, streamed=config)
-    eight_bit = moment_formats.final_loss(streamed["losses"])
+    eight_bit = moment_formats.final_loss(moment_formats.train("8bit", data)["losses"])
     unscaled = moment_formats.final_loss(moment_formats.train("8bit-unscaled", data)["losses"])
     assert abs(eight_bit / fp32 - 1) <= LOSS_TOLERANCE, f"8bit {eight_bit:.4f} vs fp32 {fp32:.4f}"
     assert abs(unscaled / fp32 - 1) > LOSS_TOLERANCE, f"unscaled {unscaled:.4f} vs fp32 {fp32:.4f}: no control"
     assert eight_bit != fp32, "8bit moments changed nothing: were they really stored in 8 bits?"
-    # And the streamed run is exactly the plain loop that stores its moments the same way.
-    plain = moment_formats.train("8bit", data)
+    # And a streamed run is exactly that plain loop, every step byte for byte: the first
+    # EXACT_STEPS (warm-up and decay of their own schedule) show it as well as 200 would.
+    config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit", bucket_cap_elements=65_536)
+    streamed = moment_formats.train("8bit", data[:EXACT_STEPS], streamed=config)
+    plain = moment_formats.train("8bit", data[:EXACT_STEPS])
     assert streamed["losses"] == plain["losses"]
     assert all(same_bytes(a, b) for a, b in zip(streamed["params"], plain["params"], strict=True))
 
