@@ -72,7 +72,7 @@ class GpuHome:
     def offload(self, store, auto_gpu) -> None:
         """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None."""
         if auto_gpu is not None:
-            # Each bucket there has its place below: give them back, pinning nothing more.
+            # Buckets with a place below go back to it, pinning nothing more.
             auto_gpu.offload(
                 store,
                 lambda: sum(
