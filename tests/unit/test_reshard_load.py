@@ -579,6 +579,28 @@ def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load
     assert not (tmp_path / "new").exists()
 
 
+def test_ckpt_inspect_reports_a_removed_and_reshard_an_unknown_moment_dtype(tmp_path):
+    """Sound files in a format a load refuses are a problem for inspect (it exited 0); a dtype
+    this version never knew (a newer version's save) is refused by reshard in one line (it
+    was a KeyError traceback)."""
+    from miles_plugins.optimizers.checkpoint.manifest import removed_moment_dtype
+    from tests.unit.test_checkpoint import rewrite_manifest
+    from tests.unit.test_ckpt_cli import _inspect as ckpt_cli
+
+    saved = _saved(tmp_path, 2, iteration="iter_0000001")
+    manifests = [saved / "streamed_optimizer_state" / f"rank{r}.opt0" / "manifest.json" for r in range(2)]
+    for path in manifests:
+        rewrite_manifest(path, lambda d: d.update(moment_dtype="fp16"))
+    inspected = ckpt_cli("inspect", str(saved))
+    assert inspected.returncode == 1 and removed_moment_dtype({"moment_dtype": "fp16"}) in inspected.stdout
+    for path in manifests:
+        rewrite_manifest(path, lambda d: d.update(moment_dtype="fp4"))
+    result = ckpt_cli("reshard", str(saved), "--dp", "1", "--out", str(tmp_path / "new" / "iter_0000001"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "its moments are stored as 'fp4', which this version does not know" in result.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_ckpt_reshard_passes_a_stray_file_by_as_a_load_does(tmp_path, capsys):
     """A note beside the stores blocked the rewrite ("not a plain directory (a load
     refuses it)"), though loads never read it."""

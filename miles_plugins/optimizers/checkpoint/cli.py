@@ -35,7 +35,13 @@ import threading
 import time
 
 from megatron_hooks.checkpoint import STATE_DIRNAME
-from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME, RESIDENT_FILE, Manifest, crc_mismatch
+from miles_plugins.optimizers.checkpoint.manifest import (
+    MANIFEST_NAME,
+    RESIDENT_FILE,
+    Manifest,
+    crc_mismatch,
+    removed_moment_dtype,
+)
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
 from miles_plugins.optimizers.homes.file_io import file_crcs
 from miles_plugins.optimizers.homes.fs import saved_dirs
@@ -161,6 +167,8 @@ def check_store(name: str, path: str) -> tuple[list[str], Manifest | None]:
         return [not_plain], None
     manifest = Manifest.read(path)  # raises on a missing, damaged or edited manifest
     problems = []
+    if removed := removed_moment_dtype(manifest.data):
+        problems.append(removed)  # a load refuses it, however sound its files are
     if manifest.data.get("store") != name:
         problems.append(f"the manifest is store {manifest.data.get('store')!r}'s, but it sits in {name!r}")
     try:

@@ -270,6 +270,11 @@ def _check(position: str, peers: list[Peer]) -> None:
         problems += [f"{os.path.basename(peer.directory)}: {p}" for p in differences(peer.data, first, sharding=False)]
     if removed := removed_moment_dtype(first):
         problems.append(removed)  # the moments' format is unknown to the layout below
+    elif first.get("moment_dtype") not in MOMENT_DTYPES:
+        problems.append(
+            f"its moments are stored as {first.get('moment_dtype')!r}, which this version does not know "
+            f"(it reads {', '.join(MOMENT_DTYPES)}): reshard it with the version that wrote it"
+        )
     elif peers_of is None:
         problems.append(
             "its saves record no parallel topology: a plain-PyTorch save (StreamedOptimizer, no data "
