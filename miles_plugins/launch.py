@@ -56,6 +56,8 @@ streaming set up right after the optimizer is built. Turn it on with
 --stream-optimizer-state-to-disk (docs/megatron.md lists every flag)."""
 
 STREAM_FLAG = "--stream-optimizer-state-to-disk"
+# How much of a script is read to tell a binary file (NUL bytes) from source code.
+_BINARY_PROBE_BYTES = 1 << 16
 
 
 class LaunchError(RuntimeError):
@@ -307,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         why = "is not a file" if os.path.exists(script) else "does not exist"
         print(f"miles_plugins.launch: the script {script} {why}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    with open(script, "rb") as f:
+        binary = b"\0" in f.read(_BINARY_PROBE_BYTES)
+    if binary:  # Python refuses NUL bytes with a ValueError (3.11) or a SyntaxError (3.12)
+        print(
+            f"miles_plugins.launch: {script} is not a Python script (it holds NUL bytes: a binary file?); give "
+            "the training script (pretrain_gpt.py or a sibling)",
+            file=sys.stderr,
+        )
         return 2
     try:
         run(script, script_args)

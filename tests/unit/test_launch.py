@@ -126,6 +126,11 @@ def test_a_script_that_is_not_python_is_refused_in_one_line_with_exit_2(tmp_path
     result = _launch(readme)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"miles_plugins.launch: {readme} is not a Python script (line ")
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"PK\x03\x04\x00\x00torch")
+    result = _launch(str(binary))
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "is not a Python script (it holds NUL bytes" in result.stderr
     (tmp_path / "broken.py").write_text("def (:\n")
     (tmp_path / "imports_broken.py").write_text("import broken\n")
     result = _launch(str(tmp_path / "imports_broken.py"))
