@@ -205,6 +205,49 @@ def test_deferred_mains_checks_upstream_first_and_leaves_the_class_as_it_was():
     assert DistributedOptimizer.__dict__["_build_model_and_main_param_groups"] is original
 
 
+def test_deferred_mains_defers_only_builds_on_threads_inside_a_block_and_restores_the_class(monkeypatch):
+    """The wrap itself, around a stand-in for Megatron's classmethod that makes one main
+    as it does (``clone().float()`` of a bf16 shard) and says how many bytes it got; the
+    tripwire is stubbed (this venv's megatron-core has no patched training tree)."""
+    import threading
+
+    from miles_plugins.optimizers.megatron import binding
+
+    def stand_in(cls):
+        return torch.ones(4, dtype=torch.bfloat16).clone().float().untyped_storage().nbytes()
+
+    monkeypatch.setattr(DistributedOptimizer, "_build_model_and_main_param_groups", classmethod(stand_in))
+    monkeypatch.setattr(binding, "check_upstream", lambda: None)
+    upstream = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    elsewhere = []
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def block_b():  # opens inside A's block and closes after it: the blocks overlap, not nest
+        a_in.wait()
+        with deferred_mains():
+            b_in.set()
+            a_out.wait()
+            elsewhere.append(DistributedOptimizer._build_model_and_main_param_groups())
+
+    other = threading.Thread(target=block_b)
+    other.start()
+    with deferred_mains():
+        a_in.set()
+        b_in.wait()
+        inside = DistributedOptimizer._build_model_and_main_param_groups()
+        outsider = threading.Thread(
+            target=lambda: elsewhere.append(DistributedOptimizer._build_model_and_main_param_groups())
+        )
+        outsider.start()
+        outsider.join()
+    a_out.set()
+    other.join()
+    assert inside == 0  # the main was made storage-less
+    assert elsewhere == [16, 0]  # a thread outside any block built as upstream does; B's build deferred
+    assert DistributedOptimizer.__dict__["_build_model_and_main_param_groups"] is upstream
+    assert DistributedOptimizer._build_model_and_main_param_groups() == 16
+
+
 def test_mains_partly_without_storage_are_refused(tmp_path):
     opt, _ = dp1_distributed_optimizer()
     opt.shard_fp32_from_float16_groups[0][1].untyped_storage().resize_(0)

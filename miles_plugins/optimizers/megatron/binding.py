@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -168,6 +169,21 @@ class _MainsWithoutStorage(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Which threads are inside a deferred_mains() block, and how many blocks are open: the
+# class attribute is wrapped while any is, and its wrapper defers only those threads' builds.
+_deferring = threading.local()
+_deferred_blocks = 0
+_deferred_lock = threading.Lock()
+_upstream_build = None  # the classmethod the wrapper stands in for, while it does
+
+
+def _build_deferring_mains_on_deferring_threads(cls, *args, **kwargs):
+    if getattr(_deferring, "depth", 0):
+        with _MainsWithoutStorage():
+            return _upstream_build.__func__(cls, *args, **kwargs)
+    return _upstream_build.__func__(cls, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def deferred_mains() -> Iterator[None]:
     r"""Build ``DistributedOptimizer``\ s inside this without device memory for their
@@ -183,23 +199,31 @@ def deferred_mains() -> Iterator[None]:
     main as ``shard_model_param.clone().float()``; inside this context that call
     returns a storage-less fp32 tensor, and the binding later fills it with the
     same exact fp32 value from the bf16 param, one bucket at a time. The class
-    attribute is wrapped only for the duration of the block, on this thread's
-    build, and put back on the way out whatever happens.
+    attribute is wrapped while any block is open (blocks may nest or overlap, on
+    any threads) and put back when the last one closes, whatever happens; only
+    builds on a thread inside a block are deferred.
     """
+    global _deferred_blocks, _upstream_build
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     check_upstream()
-    original = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
-
-    def build(cls, *args, **kwargs):
-        with _MainsWithoutStorage():
-            return original.__func__(cls, *args, **kwargs)
-
-    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build)
+    with _deferred_lock:
+        if _deferred_blocks == 0:
+            _upstream_build = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+            DistributedOptimizer._build_model_and_main_param_groups = classmethod(
+                _build_deferring_mains_on_deferring_threads
+            )
+        _deferred_blocks += 1
+    _deferring.depth = getattr(_deferring, "depth", 0) + 1
     try:
         yield
     finally:
-        DistributedOptimizer._build_model_and_main_param_groups = original
+        _deferring.depth -= 1
+        with _deferred_lock:
+            _deferred_blocks -= 1
+            if _deferred_blocks == 0:
+                DistributedOptimizer._build_model_and_main_param_groups = _upstream_build
+                _upstream_build = None
 
 
 def _mains_deferred(entries: list[MegatronEntry]) -> bool:
