@@ -195,7 +195,7 @@ def _wrap_parse(original: Callable) -> Callable:
                 check_patched()
             except HooksNotInstalledError as exc:
                 raise LaunchError(str(exc)) from exc
-        # The streaming settings are checked when the optimizer is built, on the arguments
+        # The streaming settings are checked when the optimizer is about to be built, on the arguments
         # Megatron's own validate_args left (it turns settings on and off; --use-checkpoint-args
         # replaces them): here they would be refused wrongly.
         return hooks.parsed

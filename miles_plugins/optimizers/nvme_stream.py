@@ -50,8 +50,13 @@ def build_without_mains(args: argparse.Namespace) -> contextlib.AbstractContextM
     ``--stream-optimizer-state-to-disk`` on, the ``DistributedOptimizer``\ s built
     inside get no device memory for their fp32 mains (``megatron.deferred_mains``),
     and :func:`setup_optimizer_state_streaming` must then run on the result before
-    anything else uses it. With streaming off it changes nothing."""
-    return deferred_mains() if getattr(args, STREAM_FLAG, False) else contextlib.nullcontext()
+    anything else uses it. With streaming off it changes nothing. The settings are
+    validated first (``args.validate_args``): what streaming refuses (fp8 params, the
+    CPU offload, ...) is refused before a build it would have left without mains."""
+    if not getattr(args, STREAM_FLAG, False):
+        return contextlib.nullcontext()
+    validate_args(args)
+    return deferred_mains()
 
 
 def setup_optimizer_state_streaming(args: argparse.Namespace, optimizer: Any) -> list[MegatronBinding]:

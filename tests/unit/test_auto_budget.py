@@ -136,6 +136,26 @@ def test_what_the_build_left_cached_is_not_counted_as_training_s_need(tmp_path):
     streamed.close()
 
 
+def test_every_store_that_joins_before_the_first_step_restarts_the_interval_with_the_cache_given_back():
+    """A chain's expert store is built after the dense one: the mains it wrote out stay cached
+    (reserved) unless its registration gives them back too; after a step nothing is reset."""
+
+    class Joining:  # a store as the budget sees it at registration
+        pass
+
+    device = SimulatedDevice(headroom=MARGIN)
+    budget = auto_budget.AutoGpuBudget(MARGIN, device)
+    dense, expert, late = Joining(), Joining(), Joining()
+    budget.register(dense, torch.device("cpu"))
+    device._reserved = device.total  # the expert store's mains, written out and cached
+    budget.register(expert, torch.device("cpu"))
+    assert device._reserved == 0 and device._peak == 0
+    budget._stepped.add(dense)
+    device._reserved = device.total
+    budget.register(late, torch.device("cpu"))
+    assert device._reserved == device.total  # after a step, a joining store leaves the statistics alone
+
+
 def _auto_over_disk_and_host(tmp_path, headroom_beyond_margin):
     """An auto GPU budget over the disk home and a host budget that takes the last bucket."""
     sizer = _auto(tmp_path / "sizes", "s")[3]

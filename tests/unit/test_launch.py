@@ -147,13 +147,14 @@ def test_the_script_runs_unmodified_with_the_streaming_flags_on_megatrons_parser
 
 
 def test_settings_streaming_cannot_work_with_are_refused_in_one_line_each(tmp_path):
-    """Refused when the optimizer is built, on the arguments Megatron's own validation
-    left, one line per reason (it was a traceback from inside the launcher)."""
+    """Refused where the optimizer is about to be built (before a build streaming would leave
+    without mains), on the arguments Megatron's own validation left, one line per reason
+    (it was a traceback from inside the launcher)."""
     result = _launch(_tree(tmp_path), "--stream-optimizer-state-to-disk", "--offload-train-disk-dir", "a,,b")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "--use-distributed-optimizer is off" in result.stderr
     assert "--offload-train-disk-dir: directory must be a non-empty path" in result.stderr
-    assert "optimizer built" in result.stdout and "training" not in result.stdout.splitlines()
+    assert "optimizer built" not in result.stdout and "training" not in result.stdout.splitlines()
 
 
 def test_streaming_is_set_up_with_megatrons_args_right_after_the_optimizer_is_built(tmp_path):

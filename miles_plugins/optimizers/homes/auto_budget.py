@@ -278,7 +278,6 @@ class AutoGpuBudget:
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
         self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
-        self._started = False  # the first interval began (at the first registration with memory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # stores that stepped in this process
         self._need = 0
@@ -311,10 +310,10 @@ class AutoGpuBudget:
         self._refill = True  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
             self.memory = CudaMemory(device)
-        if self.memory is not None and not self._started:
-            self._started = True
-            # The first interval starts here: a peak from before (loading a checkpoint, the
-            # model's initialization) is no part of what training needs besides the home. Its
+        if self.memory is not None and not self._stepped:
+            # The first interval starts at the last registration before any store steps: a peak
+            # from before (loading a checkpoint, the model's initialization, the mains an earlier
+            # store of the chain wrote out) is no part of what training needs besides the home. The
             # freed blocks go back first: they stay reserved otherwise, and the peak is read from
             # reserved memory (at 18B, Megatron's DDP build held params, param buffer and grads at
             # once, 8 bytes per param, and that cache counted as training's need: nothing moved).
@@ -445,6 +444,8 @@ class AutoGpuBudget:
                     freed += store.move_from_gpu_home(deficit - freed, home)
         self.memory.release_cache()  # the freed buckets leave the reservation the next interval starts from
         if freed or "short" not in self._warned:
+            # Buckets placed on the device at setup (host and disk had no room) cannot go back.
+            stuck = sum(s.placed.setup_gpu_bytes for s in stores)
             logger.warning(
                 "auto GPU budget: %.2f GB free, %.2f GB short of the %.1f GB margin (a larger batch, another "
                 "process); gave %.2f GB of buckets back to their host or disk homes%s",
@@ -452,7 +453,12 @@ class AutoGpuBudget:
                 deficit / GB,
                 self.margin / GB,
                 freed / GB,
-                "" if freed >= deficit else " (all there were: the margin is what is left)",
+                ""
+                if freed >= deficit
+                else f" (all that could go: {stuck / GB:.2f} GB placed on the device at setup have no place below; "
+                "the margin is what is left, and a step that grows further may run out of device memory)"
+                if stuck
+                else " (all there were: the margin is what is left)",
             )
             self._warned.add("short")
         return freed > 0
