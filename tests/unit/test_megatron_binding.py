@@ -439,6 +439,29 @@ def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path
         attach(chain, small)
 
 
+@pytest.mark.parametrize("ranks, one_slot", [(1, False), (2, True)], ids=["alone", "two-ranks-share-the-drive"])
+def test_ranks_of_a_node_plan_their_disk_buckets_with_their_share_of_the_drive(
+    tmp_path, monkeypatch, small_drives, ranks, one_slot
+):
+    """Every rank of a node measures the same free space at once: planned on all of it, each
+    took two slots and the ranks' reservations then failed together (seen with two stores on a
+    small tmpfs). Here the drive holds this rank's two slots, but not two ranks' worth."""
+    from miles_plugins.optimizers.homes import auto_budget as budgets
+    from miles_plugins.optimizers.megatron import binding as megatron
+
+    monkeypatch.setattr(megatron, "check_upstream", lambda: None)
+    monkeypatch.setattr(budgets, "local_ranks", lambda group=False: (ranks, "the test"))
+    sizes = bucket_sizes(tmp_path)
+    drive = small_drives("drive", 2 * sum(sizes) + (64 << 10))
+    opt, _ = dp1_distributed_optimizer()
+    config = StreamConfig(directory=str(drive / "state"), name="rank0", bucket_cap_elements=3000)
+    (binding,) = megatron.attach(opt, config)
+    try:
+        assert bool(binding.store.placed.one_slot) == one_slot, binding.store.placed.one_slot
+    finally:
+        binding.store.close()
+
+
 @pytest.mark.parametrize("tier", ["disk", "host"])
 def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkeypatch, tier):
     """The GPU and host budgets are the rank's: the first store takes what it places,

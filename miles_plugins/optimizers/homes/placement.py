@@ -145,9 +145,18 @@ class Placement:
     Where the disk is short, the last disk buckets keep one slot (``one_slot``,
     :func:`plan_disk`), and then, with ``gpu_room`` (an auto GPU budget's room at
     setup, :func:`auto_budget.setup_gpu_room`), the gpu home takes what is still
-    missing (``setup_gpu_bytes``); what no home can hold is refused."""
+    missing (``setup_gpu_bytes``); what no home can hold is refused. ``drive_ranks``
+    processes of the node share the directories (a Megatron node's ranks all use
+    ``--offload-train-disk-dir``): each plans with that share of the free space it
+    measures, since they measure at once, before any has reserved its files."""
 
-    def __init__(self, buckets: Sequence[BucketLayout], config: StreamConfig, gpu_room: int | None = None) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[BucketLayout],
+        config: StreamConfig,
+        gpu_room: int | None = None,
+        drive_ranks: int = 1,
+    ) -> None:
         self.buckets = list(buckets)
         self.homes, self.budgets_left = assign_homes(buckets, config)
         directories = config.directories if config.tier == "disk" else ()
@@ -156,7 +165,8 @@ class Placement:
         try:
             for directory in directories:
                 self.scratches.append(ScratchDir(directory, config.name))  # locked, stale scratch purged
-            free = [shutil.disk_usage(scratch.directory).free for scratch in self.scratches]
+            # Ranks of a node that share the directories (``drive_ranks``) each plan with their share.
+            free = [shutil.disk_usage(scratch.directory).free // drive_ranks for scratch in self.scratches]
             self.directory_of, self.one_slot, short = plan_disk(buckets, self.homes, free)
             if short and gpu_room:
                 short = self._give_the_gpu(config, free, gpu_room, short)
