@@ -179,6 +179,10 @@ class StreamConfig:
             moments exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable
             across restarts of the same rank so stale scratch gets purged.
+        drive_ranks: processes of this node that share the state directories
+            and set up at once (Megatron's ``attach`` counts the node's ranks):
+            each plans its disk buckets with that share of the free space it
+            measures, since they measure before any has reserved its files.
     """
 
     directory: str | tuple[str, ...] | list[str] = ""
@@ -199,6 +203,7 @@ class StreamConfig:
     auto_gpu_margin_bytes: int = DEFAULT_AUTO_GPU_MARGIN_BYTES
     auto_host_margin_bytes: int = DEFAULT_AUTO_HOST_MARGIN_BYTES
     fp32_param_moments: str = "streamed"
+    drive_ranks: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.directory, list):  # frozen and hashable: keep a tuple
@@ -257,7 +262,7 @@ class StreamConfig:
                 raise StreamConfigError(
                     f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more{also}, got {value!r}"
                 )
-        for field in ("buckets_in_flight", "io_threads"):
+        for field in ("buckets_in_flight", "io_threads", "drive_ranks"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise StreamConfigError(f"{field.replace('_', ' ')} must be a positive integer, got {value!r}")

@@ -101,9 +101,6 @@ class StreamingStore:
             by its stores (a Megatron chain); by default the store makes its own.
             It moves buckets into and out of the ``gpu`` home between steps
             (:meth:`move_to_gpu_home`, :meth:`move_from_gpu_home`).
-        drive_ranks: processes of this node that share the state directories and
-            set up at once (a Megatron node's ranks): each plans its disk buckets
-            with that share of the free space (``placement.Placement``).
 
     Construction validates the directory and free space before writing
     anything (disk tier), then writes every bucket's initial mains and releases
@@ -126,7 +123,6 @@ class StreamingStore:
         grad_bytes_per_element: int = 0,
         checkpoint_master_options: bool = False,
         auto_gpu: AutoGpuBudget | None = None,
-        drive_ranks: int = 1,
     ) -> None:
         config = auto_budget.resolve_host(config)
         self.auto_gpu = None
@@ -159,7 +155,7 @@ class StreamingStore:
         # their free space is checked before anything is written. An auto GPU budget lends
         # the device's room at setup where host and disk cannot hold the state.
         gpu_room = _setup_gpu_room(self.entries, self.buckets, self._device, config) if auto_gpu_wanted else None
-        self.placed = Placement(self.buckets, config, gpu_room, drive_ranks)
+        self.placed = Placement(self.buckets, config, gpu_room)
         try:
             self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.placed, self._device)
             codec = Codec(self.buckets)

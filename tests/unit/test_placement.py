@@ -382,6 +382,12 @@ def test_the_last_disk_buckets_keep_one_slot_as_many_as_the_directories_need(fre
     assert where[4] is None and all(where[i] is not None for i in range(4))
 
 
+@pytest.mark.parametrize("value", [0, -2, True, 1.5])
+def test_drive_ranks_must_be_a_positive_integer(value):
+    with pytest.raises(StreamConfigError, match="drive ranks must be a positive integer"):
+        StreamConfig(directory="/unused", drive_ranks=value)
+
+
 def test_a_drive_short_of_two_slots_trains_byte_identical_with_one_slot_buckets(tmp_path, small_drives, caplog):
     sizes = _bucket_sizes()
     drive = small_drives("drive", sum(sizes) + sum(sizes[:2]) + SLACK)  # two slots for the first two only

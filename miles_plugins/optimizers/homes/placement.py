@@ -115,14 +115,15 @@ def plan_disk(
     disk = [b for b in buckets if homes[b.index] == "disk"]
     one_slot: set[int] = set()
     while True:
-        where = spread_over_directories(buckets, homes, free, frozenset(one_slot))
+        kept = frozenset(one_slot)
+        where = spread_over_directories(buckets, homes, free, kept)
         used = [0] * len(free)
         for bucket in disk:
-            used[where[bucket.index]] += FileBacking.bytes_needed([bucket], frozenset(one_slot))
+            used[where[bucket.index]] += FileBacking.bytes_needed([bucket], kept)
         short = sum(max(0, u - f) for u, f in zip(used, free, strict=True))
-        two_slots = [b for b in reversed(disk) if b.index not in one_slot]
+        two_slots = [b for b in reversed(disk) if b.index not in kept]
         if not short or not two_slots:
-            return where, frozenset(one_slot), short
+            return where, kept, short
         spared = 0
         for bucket in two_slots:  # from the end of the walk, until the slots given up cover the lack
             one_slot.add(bucket.index)
@@ -145,17 +146,15 @@ class Placement:
     Where the disk is short, the last disk buckets keep one slot (``one_slot``,
     :func:`plan_disk`), and then, with ``gpu_room`` (an auto GPU budget's room at
     setup, :func:`auto_budget.setup_gpu_room`), the gpu home takes what is still
-    missing (``setup_gpu_bytes``); what no home can hold is refused. ``drive_ranks``
-    processes of the node share the directories (a Megatron node's ranks all use
-    ``--offload-train-disk-dir``): each plans with that share of the free space it
-    measures, since they measure at once, before any has reserved its files."""
+    missing (``setup_gpu_bytes``); what no home can hold is refused. Each of the
+    ``config.drive_ranks`` processes sharing the directories plans with its share
+    of the free space it measures."""
 
     def __init__(
         self,
         buckets: Sequence[BucketLayout],
         config: StreamConfig,
         gpu_room: int | None = None,
-        drive_ranks: int = 1,
     ) -> None:
         self.buckets = list(buckets)
         self.homes, self.budgets_left = assign_homes(buckets, config)
@@ -165,8 +164,8 @@ class Placement:
         try:
             for directory in directories:
                 self.scratches.append(ScratchDir(directory, config.name))  # locked, stale scratch purged
-            # Ranks of a node that share the directories (``drive_ranks``) each plan with their share.
-            free = [shutil.disk_usage(scratch.directory).free // drive_ranks for scratch in self.scratches]
+            # Ranks of a node that share the directories (``config.drive_ranks``) each plan with their share.
+            free = [shutil.disk_usage(scratch.directory).free // config.drive_ranks for scratch in self.scratches]
             self.directory_of, self.one_slot, short = plan_disk(buckets, self.homes, free)
             if short and gpu_room:
                 short = self._give_the_gpu(config, free, gpu_room, short)

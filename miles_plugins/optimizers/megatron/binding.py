@@ -256,9 +256,7 @@ class MegatronBinding:
     ``getattr(dist_opt, megatron_hooks.contract.STORE_ATTR)``.
     """
 
-    def __init__(
-        self, dist_opt: Any, config: StreamConfig, auto_gpu: AutoGpuBudget | None = None, drive_ranks: int = 1
-    ) -> None:
+    def __init__(self, dist_opt: Any, config: StreamConfig, auto_gpu: AutoGpuBudget | None = None) -> None:
         check_supported(dist_opt)
         self.dist_opt = dist_opt
         # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
@@ -275,7 +273,6 @@ class MegatronBinding:
             topology=self._topology(),
             param_layout=param_layout(dist_opt, self.names),
             auto_gpu=auto_gpu,
-            drive_ranks=drive_ranks,
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook
         # has restored the files it promises (it stays set when that load fails).
@@ -684,9 +681,10 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     config = auto_budget.resolve_host(config, group=True)
     # The node's ranks share --offload-train-disk-dir and set up at once: each plans its disk
     # buckets with its share of the free space (a collective too, before any refusal).
-    drive_ranks = auto_budget.local_ranks(group=True)[0] if config.tier == "disk" else 1
-    if drive_ranks > 1:
-        logger.info("the state directories' free space is shared by %d ranks on this node", drive_ranks)
+    if config.tier == "disk":
+        config = dataclasses.replace(config, drive_ranks=auto_budget.local_ranks(group=True)[0])
+        if config.drive_ranks > 1:
+            logger.info("the state directories' free space is shared by %d ranks on this node", config.drive_ranks)
     members = chained_distributed_optimizers(optimizer)
     for _, member in members:
         check_supported(member)
@@ -707,7 +705,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 gpu_budget_bytes=AUTO if config.gpu_budget_bytes == AUTO else budgets["gpu"],
                 host_budget_bytes=budgets["host"],
             )
-            bindings.append(MegatronBinding(member, member_config, drive_ranks=drive_ranks))
+            bindings.append(MegatronBinding(member, member_config))
             budgets = bindings[-1].store.placed.budgets_left
     except BaseException:
         for binding in bindings:
