@@ -31,6 +31,9 @@ Non-finite values poison their block: a NaN or inf anywhere in a block decodes
 as NaN or inf across it (fp32 storage would keep them to their elements; either
 way a non-finite gradient has already ruined that state).
 
+On CUDA with Triton installed, ``fused.py`` does both directions in fused kernels
+that give the same bytes; the functions here are the reference (and the CPU path).
+
 Both directions work chunk by chunk in the one order that never overwrites bytes
 still to be read (as ``convert.py``): narrowing front to back (chunk ``[s, e)``'s
 codes land on bytes ``[s, e)``, fp32 elements already read), widening back to
@@ -45,6 +48,7 @@ import zlib
 
 import torch
 
+from miles_plugins.optimizers.formats import fused
 from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks
 
 # Elements per block: bitsandbytes' 8-bit optimizers use 256. Scales then cost
@@ -130,7 +134,9 @@ def quantize_chunk(x: torch.Tensor, signed: bool, sqrt: bool = False) -> tuple[t
         padded.sqrt_()
     padded = padded.view(blocks, BLOCK)
     # The blocks' absolute maxima, without an abs() copy of the chunk; NaN stays NaN.
-    scales = torch.maximum(padded.amax(dim=1), padded.amin(dim=1).neg_())
+    # abs_() makes an all-zero block's scale +0 on every device (CUDA's max of +0 and
+    # -0 may give -0, the CPU's gives +0).
+    scales = torch.maximum(padded.amax(dim=1), padded.amin(dim=1).neg_()).abs_()
     # An all-zero block keeps scale 0 (it decodes to zeros).
     padded.div_(scales.masked_fill(scales == 0, 1.0).unsqueeze(1))
     codes = torch.bucketize(padded.view(-1)[:n], midpoints, out_int32=True).to(torch.uint8)
@@ -168,6 +174,10 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     flat = t.view(-1)
     codes_out, scales_out = _codes_and_scales(t)
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
+    if fused.applies(t):
+        fused.quant8_narrow(flat, codes_out, scales, _tables(signed, t.device)[1], sqrt, BLOCK)
+        scales_out.copy_(scales.view(torch.uint8))
+        return
     for s, e in chunks(flat.numel()):
         # quantize_chunk reads the whole chunk before its codes are written over it.
         codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
@@ -185,6 +195,9 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     flat = t.view(-1)
     codes_in, scales_in = _codes_and_scales(t)
     scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
+    if fused.applies(t):
+        fused.quant8_widen(flat, codes_in, scales, _tables(signed, t.device)[0], sqrt, BLOCK)
+        return
     for s, e in chunks(flat.numel(), backwards=True):
         # fp32 chunk [s, e) is bytes [4s, 4e): its own codes (read first) and later
         # chunks' codes (converted already), never an earlier chunk's.

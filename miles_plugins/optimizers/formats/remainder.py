@@ -15,6 +15,9 @@ not a bit increment (NaN). Those elements are *exceptions*: their index and
 true ``hi`` are kept on the side, so the pair (low bits, exceptions) rebuilds
 every main exactly, whatever its value. 2 bytes per main instead of 4.
 
+On CUDA with Triton installed, ``fused.py`` does both directions in fused kernels
+(the same bytes, the same exceptions); the functions here are the reference.
+
 Both directions work inside the main's own storage, chunk by chunk (see
 ``convert.py`` for why the directions are safe): the low bits occupy the first
 half of the fp32 main's bytes.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_plugins.optimizers.formats import fused
 from miles_plugins.optimizers.formats.convert import chunks, stored_view
 
 STORAGE_DTYPE = torch.int16  # the low 16 bits, as stored
@@ -67,19 +71,31 @@ def _guess_high(low: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return param.view(STORAGE_DTYPE) - rounded_up.to(STORAGE_DTYPE)
 
 
+def _chunk_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exceptions of fp32 elements ``[s, e)`` (still fp32): flat indices and true high
+    bits, on the CPU; and the chunk's low bits (a copy, read before any write)."""
+    low, high = (h.clone() for h in _halves(flat[s:e]))
+    index = (high != _guess_high(low, param[s:e])).nonzero().view(-1)
+    return index.cpu() + s, high[index].cpu(), low
+
+
 @torch.no_grad()
 def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     """Rewrite the fp32 ``main`` as its low 16 bits, in the first half of its bytes
     (front to back); return what :func:`decode_in_place` needs beside ``param``.
     ``main``'s fp32 values are gone afterwards."""
     flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
+    if fused.applies(main):
+        index, high = fused.remainder_encode(
+            flat, param, out, reference=lambda s, e: _chunk_exceptions(flat, param, s, e)[:2]
+        )
+        return Exceptions(index, high) if index.numel() else Exceptions.none()
     indices, highs = [], []
     for s, e in chunks(main.numel()):
-        low, high = (h.clone() for h in _halves(flat[s:e]))  # read the chunk before writing over it
-        index = (high != _guess_high(low, param[s:e])).nonzero().view(-1)
+        index, high, low = _chunk_exceptions(flat, param, s, e)  # the chunk read before writing over it
         if index.numel():
-            indices.append(index.cpu() + s)
-            highs.append(high[index].cpu())
+            indices.append(index)
+            highs.append(high)
         out[s:e].copy_(low)
     if not indices:
         return Exceptions.none()
@@ -92,6 +108,9 @@ def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Excepti
     :func:`encode_in_place` left them); rebuild the fp32 main (back to front)
     from them, the unchanged bf16 ``param`` and the exceptions."""
     flat, param, stored = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
+    if fused.applies(main):
+        fused.remainder_decode(flat, param, stored, exceptions.index, exceptions.high)
+        return
     for s, e in chunks(main.numel(), backwards=True):
         low = stored[s:e].clone()  # read the chunk before writing over it
         high = _guess_high(low, param[s:e])

@@ -1,0 +1,77 @@
+"""The Triton kernels behind ``fused.py`` (which documents what they compute and why
+it is exact): imported only on a first CUDA conversion, where Triton is installed."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)  # zero padding, as the reference pads
+    if SQRT:
+        x = tl.sqrt_rn(x)
+    amax = tl.max(x, axis=1)
+    neg_amin = -tl.min(x, axis=1)
+    scale = tl.where(amax >= neg_amin, amax, neg_amin)
+    # Clearing the sign bit is the reference's abs_(): +0 for an all-zero block
+    # (a bit operation, which no float rewrite of the compiler can fold away).
+    scale = (scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), scale)
+    tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
+    v = tl.div_rn(x, tl.where(scale == 0.0, 1.0, scale)[:, None])
+    code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+    for level in tl.static_range(8):  # binary search over the 255 midpoints
+        mid = tl.load(mids_ptr + code + ((128 >> level) - 1))
+        code = tl.where(mid >= v, code, code + (128 >> level))
+    tl.store(codes_ptr + offs, code.to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def dequantize(
+    codes_ptr, scales_ptr, values_ptr, out_ptr, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    inside = offs < n
+    code = tl.load(codes_ptr + offs, mask=inside, other=0).to(tl.int32)
+    scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=1.0)
+    y = tl.load(values_ptr + code) * scale[:, None]
+    if SQUARE:
+        y = y * y
+    tl.store(out_ptr + offs, y, mask=inside)
+
+
+@triton.jit
+def remainder_encode(
+    bits_ptr, param_ptr, low_ptr, slot_ptr, index_ptr, high_ptr, n, base, SLOTS: tl.constexpr, SPAN: tl.constexpr
+):
+    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
+    inside = offs < n
+    bits = tl.load(bits_ptr + offs, mask=inside, other=0)
+    low = bits.to(tl.int16)  # truncation keeps the low 16 bits
+    high = (bits >> 16).to(tl.int16)
+    param = tl.load(param_ptr + offs, mask=inside, other=0)
+    rounded_up = (low < 0) & (low != -32768)
+    missed = (high != param - rounded_up.to(tl.int16)) & inside
+    tl.store(low_ptr + offs, low, mask=inside)
+    count = tl.sum(missed.to(tl.int32), axis=0)
+    if count > 0:
+        first = tl.atomic_add(slot_ptr, count)
+        slot = first + tl.cumsum(missed.to(tl.int32), axis=0) - 1
+        keep = missed & (slot < SLOTS)
+        tl.store(index_ptr + slot, offs.to(tl.int64) + base, mask=keep)
+        tl.store(high_ptr + slot, high, mask=keep)
+
+
+@triton.jit
+def remainder_decode(low_ptr, param_ptr, bits_ptr, n, SPAN: tl.constexpr):
+    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
+    inside = offs < n
+    low = tl.load(low_ptr + offs, mask=inside, other=0)
+    param = tl.load(param_ptr + offs, mask=inside, other=0)
+    rounded_up = (low < 0) & (low != -32768)
+    high = (param - rounded_up.to(tl.int16)).to(tl.int32)
+    tl.store(bits_ptr + offs, (high << 16) | (low.to(tl.int32) & 0xFFFF), mask=inside)

@@ -1,0 +1,89 @@
+"""GPU tier for the fused codec kernels (``formats/fused.py``): the bytes they store are
+the CPU reference's, over entries long enough to take every kind of chunk (the scratch
+chunk, then geometric ones), with zero, infinite and NaN values and rounding ties."""
+
+import pytest
+import torch
+
+from miles_plugins.optimizers.formats import fused, quant8, remainder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or fused.kernels() is None, reason="needs CUDA and Triton"),
+]
+
+# Three chunks: [0, S), [S, 4S) and the rest (S = fused.SCRATCH_ELEMENTS).
+NUMEL = 5 * fused.SCRATCH_ELEMENTS + 77
+
+
+def _moments(numel: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 3) * 1e-3
+    m[: 2 * quant8.BLOCK] = 0  # all-zero blocks (scale 0)
+    m[5 * quant8.BLOCK + 3] = float("inf")
+    m[9 * quant8.BLOCK + 7] = float("nan")
+    return {"exp_avg": m, "exp_avg_sq": m * m}
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+def test_fused_8bit_codes_and_values_are_the_cpu_reference(moment):
+    x = _moments(NUMEL)[moment]
+    signed, sqrt = quant8.MOMENT_FORMATS[moment]
+    cpu, gpu = x.clone(), x.cuda()
+    assert fused.applies(gpu)
+    quant8.narrow_in_place(cpu, signed, sqrt)
+    quant8.narrow_in_place(gpu, signed, sqrt)
+    n, stored = x.numel(), quant8.stored_nbytes(x.numel())
+    cpu_bytes, gpu_bytes = cpu.view(torch.uint8)[:stored], gpu.view(torch.uint8)[:stored].cpu()
+    assert torch.equal(cpu_bytes[:n], gpu_bytes[:n])  # every code, the non-finite blocks' included
+    cpu_scales, gpu_scales = cpu_bytes[n:].clone().view(torch.float32), gpu_bytes[n:].clone().view(torch.float32)
+    nan = torch.isnan(cpu_scales)
+    assert nan.sum() == 1 and torch.equal(nan, torch.isnan(gpu_scales))  # a NaN, whatever its bits
+    differ = (cpu_scales.view(torch.int32) != gpu_scales.view(torch.int32)) & ~nan
+    assert not differ.any(), [
+        (i, cpu_scales[i].item(), gpu_scales[i].item()) for i in differ.nonzero()[:5].view(-1).tolist()
+    ]
+    gpu.view(torch.uint8)[n:stored].copy_(cpu_bytes[n:])  # the same stored form on both sides
+    quant8.widen_in_place(cpu, signed, sqrt)
+    quant8.widen_in_place(gpu, signed, sqrt)
+    gpu = gpu.cpu()
+    nan = torch.isnan(cpu)  # the non-finite blocks decode to NaN; NaN bits differ by device
+    assert torch.equal(nan, torch.isnan(gpu))
+    assert torch.equal(cpu[~nan].view(torch.int32), gpu[~nan].view(torch.int32))
+
+
+def _mains(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    main = torch.randn(numel, generator=g)
+    bits = main.view(torch.int32)
+    ties = torch.arange(0, numel, 4099)
+    bits[ties] = (bits[ties] & ~0xFFFF) | 0x18000  # exact ties with an odd high half
+    main[11], main[fused.SCRATCH_ELEMENTS + 5] = float("nan"), float("-inf")
+    return main, main.bfloat16()
+
+
+def test_fused_remainder_low_bits_and_exceptions_are_the_cpu_reference():
+    main, param = _mains(NUMEL)
+    cpu, gpu = main.clone(), main.cuda()
+    cpu_exceptions = remainder.encode_in_place(cpu, param)
+    gpu_exceptions = remainder.encode_in_place(gpu, param.cuda())
+    assert len(cpu_exceptions) > 1000
+    assert torch.equal(cpu_exceptions.index, gpu_exceptions.index)
+    assert torch.equal(cpu_exceptions.high, gpu_exceptions.high)
+    assert torch.equal(cpu.view(torch.int16)[:NUMEL], gpu.view(torch.int16)[:NUMEL].cpu())
+    remainder.decode_in_place(gpu, param.cuda(), gpu_exceptions)
+    assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))
+
+
+def test_exceptions_past_the_device_slots_fall_back_and_stay_exact(monkeypatch):
+    """A chunk with more exceptions than the kernel can collect (NaN mains) is found by the
+    reference path, from fp32 bytes the kernel has not yet written over."""
+    monkeypatch.setattr(fused, "_EXCEPTION_SLOTS", 64)
+    main, param = _mains(NUMEL)
+    main.view(torch.int32)[fused.SCRATCH_ELEMENTS : fused.SCRATCH_ELEMENTS + 5000] = 0x7FC01234  # NaN, payload
+    param = main.bfloat16()
+    gpu = main.cuda()
+    exceptions = remainder.encode_in_place(gpu, param.cuda())
+    assert len(exceptions) >= 5000
+    remainder.decode_in_place(gpu, param.cuda(), exceptions)
+    assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))

@@ -1,0 +1,128 @@
+"""The fused codec kernels (``formats/fused.py``) run by Triton's interpreter on the CPU
+against the reference formulations: the same codes, scales, low bits and exceptions, and
+the in-place chunk order (scratch chunk, then geometric chunks) with a small scratch.
+
+The interpreter executes the kernels' own code with numpy, so this checks their logic,
+not the compiled GPU code (``tests/gpu/test_fused_codec.py`` does that). Needs Triton
+(GPU machines have it; the CPU venv does not install it: about 1 GB)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from miles_plugins.optimizers.formats import fused, quant8, remainder
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+SCRATCH = 1024  # elements: entries below take several geometric chunks
+
+
+def _moment(numel: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 3) * 1e-3
+    m[: quant8.BLOCK] = 0
+    if numel >= 2 * quant8.BLOCK:  # a block of exact ties: scale 1, every midpoint itself
+        m[quant8.BLOCK] = 1.0
+        m[quant8.BLOCK + 1 : 2 * quant8.BLOCK] = quant8._tables(True, m.device)[1]
+    if numel > 3000:
+        m[2000], m[2600] = float("inf"), float("nan")
+    return m
+
+
+def _check_quant8(numel: int) -> None:
+    for name, x in (("exp_avg", _moment(numel, 0)), ("exp_avg_sq", _moment(numel, 0) ** 2)):
+        signed, sqrt = quant8.MOMENT_FORMATS[name]
+        reference, kernel = x.clone(), x.clone()
+        quant8.narrow_in_place(reference, signed, sqrt)
+        codes, scales_bytes = quant8._codes_and_scales(kernel)
+        scales = torch.empty(-(-numel // quant8.BLOCK))
+        fused.quant8_narrow(kernel.view(-1), codes, scales, quant8._tables(signed, x.device)[1], sqrt, quant8.BLOCK)
+        scales_bytes.copy_(scales.view(torch.uint8))
+        stored = quant8.stored_nbytes(numel)
+        ref_bytes, kernel_bytes = reference.view(torch.uint8)[:stored], kernel.view(torch.uint8)[:stored]
+        assert torch.equal(ref_bytes[:numel], kernel_bytes[:numel]), (numel, name)
+        ref_scales, kernel_scales = ref_bytes[numel:].clone().view(torch.float32), scales
+        nan = torch.isnan(ref_scales)
+        assert torch.equal(nan, torch.isnan(kernel_scales))
+        assert torch.equal(ref_scales[~nan].view(torch.int32), kernel_scales[~nan].view(torch.int32)), (numel, name)
+        widened = reference.clone()
+        quant8.widen_in_place(reference, signed, sqrt)
+        codes, scales_bytes = quant8._codes_and_scales(widened)
+        fused.quant8_widen(
+            widened.view(-1),
+            codes,
+            scales_bytes.clone().view(torch.float32),
+            quant8._tables(signed, x.device)[0],
+            sqrt,
+            quant8.BLOCK,
+        )
+        assert torch.equal(reference.view(torch.int32), widened.view(torch.int32)), (numel, name)
+
+
+def _check_remainder(numel: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    main = torch.randn(numel, generator=g)
+    ties = torch.arange(0, numel, 97)
+    main.view(torch.int32)[ties] = (main.view(torch.int32)[ties] & ~0xFFFF) | 0x18000
+    main[min(7, numel - 1)], main[min(300, numel - 1)] = float("nan"), float("inf")
+    param = main.bfloat16()
+    reference = main.clone()
+    exceptions = remainder.encode_in_place(reference, param)
+    kernel = main.clone()
+    low = remainder.stored_view(kernel, torch.int16)
+    index, high = fused.remainder_encode(
+        kernel.view(-1),
+        param.view(-1),
+        low,
+        reference=lambda s, e: remainder._chunk_exceptions(kernel, param, s, e)[:2],
+    )
+    assert len(exceptions) >= numel // 97
+    assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
+    assert torch.equal(reference.view(torch.int16)[:numel], kernel.view(torch.int16)[:numel])
+    fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
+    assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
+
+
+def _check_exception_overflow() -> None:
+    fused._EXCEPTION_SLOTS = 4
+    main = torch.empty(3000)
+    main.view(torch.int32)[:] = 0x7FC01234  # NaN mains, every one an exception
+    param = main.bfloat16()
+    kernel = main.clone()
+    low = remainder.stored_view(kernel, torch.int16)
+    index, high = fused.remainder_encode(
+        kernel.view(-1),
+        param.view(-1),
+        low,
+        reference=lambda s, e: remainder._chunk_exceptions(kernel, param, s, e)[:2],
+    )
+    assert len(index) == 3000
+    fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
+    assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
+
+
+def test_interpreted_kernels_store_the_reference_bytes():
+    # The interpreter is chosen when the kernels are decorated: a process of its own.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "ok"
+
+
+if __name__ == "__main__":
+    assert fused.kernels() is not None
+    fused.SCRATCH_ELEMENTS = SCRATCH
+    for numel in (256, 1000, SCRATCH, 5000, 70001):
+        _check_quant8(numel)
+        _check_remainder(numel)
+    _check_exception_overflow()
+    print("ok")
