@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments
+.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments bench-codec
 
 venv: $(VENV)/.installed
 
@@ -71,6 +71,10 @@ bench-checkpoint: venv
 # GPU counterpart, a real Megatron GPT for 300 steps, is bench/moment_training.py.
 bench-moments: venv
 	$(PY) -m bench.moment_formats $(BENCH_ARGS)
+
+# The storage codecs, reference and fused, on a whole 7.6B GPT's state (CUDA + Triton).
+bench-codec: venv
+	$(PY) -m bench.codec $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

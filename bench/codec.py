@@ -1,0 +1,139 @@
+"""The storage codecs at memory speed: encode + decode of a whole GPT's state on one GPU.
+
+    python -m bench.codec [--layers 24] [--hidden 5120] [--out bench-results/codec.json]
+
+For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024;
+24 layers = 7.6B params), one entry each, as the store converts them: the fp32 main
+to remainder low bits and back (beside its bf16 param), both moments to 8-bit codes
+and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). Timed with CUDA events, once
+with the reference torch formulations (``quant8.py``, ``remainder.py``) and once with
+the fused Triton kernels (``fused.py``), in one process; the stored bytes of the two
+are compared.
+
+The bound is the bytes each param's conversions must move (reads + writes):
+remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment
+5 + 5 (fp32, one-byte code; scales 1/64 byte more), 36 bytes per param, at the
+device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from miles_plugins.optimizers.formats import fused, quant8, remainder
+
+BYTES_PER_PARAM = 36
+
+
+def gpt_entries(layers: int, hidden: int, vocab: int = 8192, seq: int = 1024) -> list[int]:
+    """Element counts of the GPT's params (Megatron's local layer spec, untied output)."""
+    per_layer = [3 * hidden * hidden, 3 * hidden, hidden * hidden, hidden, 4 * hidden * hidden, 4 * hidden]
+    per_layer += [4 * hidden * hidden, hidden, hidden, hidden, hidden, hidden]  # fc2 and its bias, 2 norms
+    return [vocab * hidden, seq * hidden] + per_layer * layers + [hidden, hidden, vocab * hidden]
+
+
+def copy_bandwidth(numel: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    a, b = torch.empty(numel, device="cuda"), torch.empty(numel, device="cuda")
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
+
+
+def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor) -> dict:
+    """Encode then decode every entry's main and moments; seconds per direction."""
+    timings = {"encode": 0.0, "decode": 0.0}
+    stored = []
+    for numel in entries:
+        main, m, v = (buffers[k][:numel] for k in ("main", "exp_avg", "exp_avg_sq"))
+        p = param[:numel]
+        p.copy_(main)  # the bf16 param is the main rounded, as after a step
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        exceptions = remainder.encode_in_place(main, p)
+        quant8.narrow_in_place(m, *quant8.MOMENT_FORMATS["exp_avg"])
+        quant8.narrow_in_place(v, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if numel == max(entries):
+            stored = [
+                t.view(-1).view(torch.uint8)[:n].clone()
+                for t, n in ((main, 2 * numel), (m, quant8.stored_nbytes(numel)), (v, quant8.stored_nbytes(numel)))
+            ]
+        remainder.decode_in_place(main, p, exceptions)
+        quant8.widen_in_place(m, *quant8.MOMENT_FORMATS["exp_avg"])
+        quant8.widen_in_place(v, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        torch.cuda.synchronize()
+        timings["encode"] += t1 - t0
+        timings["decode"] += time.perf_counter() - t1
+    return {**timings, "stored": stored}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--out", default="bench-results/codec.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.codec: needs a CUDA device (the CPU path is the reference, not a target)")
+    if fused.kernels() is None:
+        raise SystemExit("bench.codec: Triton is not installed; the fused kernels cannot run")
+    entries = gpt_entries(args.layers, args.hidden)
+    largest = max(entries)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m = (
+        torch.randn(largest, device="cuda", generator=g)
+        * torch.exp(torch.randn(largest, device="cuda", generator=g) * 3)
+        * 1e-3
+    )
+    base = {
+        "main": torch.randn(largest, device="cuda", generator=g) * 0.02,
+        "exp_avg": m,
+        "exp_avg_sq": m * m,
+    }
+    bandwidth = copy_bandwidth(1 << 28)
+    report = {"params": sum(entries), "entries": len(entries), "copy_bandwidth_gbs": round(bandwidth / 1e9, 1)}
+    bound = sum(entries) * BYTES_PER_PARAM / bandwidth
+    report["bound_s"] = round(bound, 4)
+    stored = {}
+    for name, on in (("reference", False), ("fused", True)):
+        fused.enabled = on
+        buffers = {k: t.clone() for k, t in base.items()}
+        param = torch.empty(largest, dtype=torch.bfloat16, device="cuda")
+        sweep(entries[:4], buffers, param)  # compile and warm the caches
+        buffers = {k: t.clone() for k, t in base.items()}
+        result = sweep(entries, buffers, param)
+        stored[name] = result.pop("stored")
+        total = result["encode"] + result["decode"]
+        report[name] = {
+            **{k: round(s, 4) for k, s in result.items()},
+            "total_s": round(total, 4),
+            "x_bound": round(total / bound, 2),
+        }
+        print(
+            f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s, {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms)",
+            flush=True,
+        )
+    report["same_stored_bytes"] = all(
+        torch.equal(a, b) for a, b in zip(stored["reference"], stored["fused"], strict=True)
+    )
+    report["device"] = torch.cuda.get_device_name()
+    print(json.dumps(report, indent=1))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
