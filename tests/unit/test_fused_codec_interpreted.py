@@ -1,4 +1,5 @@
-"""The fused codec kernels (``formats/fused.py``) run by Triton's interpreter on the CPU
+"""The fused codec kernels (``formats/fused.py``): where they do not build, the reference
+serves; and, run by Triton's interpreter on the CPU,
 against the reference formulations: the same codes, scales, low bits and exceptions, and
 the in-place chunk order (scratch chunk, then geometric chunks) with a small scratch.
 
@@ -7,16 +8,19 @@ not the compiled GPU code (``tests/gpu/test_fused_codec.py`` does that). Needs T
 (GPU machines have it; the CPU venv does not install it: about 1 GB)."""
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
+from miles_plugins.optimizers import formats
 from miles_plugins.optimizers.formats import fused, quant8, remainder
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
 SCRATCH = 1024  # elements: entries below take several geometric chunks
 
@@ -105,6 +109,29 @@ def _check_exception_overflow() -> None:
     assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
 
 
+def test_kernels_that_do_not_build_leave_the_reference_with_a_warning(monkeypatch, caplog):
+    """A Triton that cannot compile here (no compiler, a read-only cache directory) shows
+    when the kernels are first wanted, before any state is converted. The kernels module
+    is a stand-in whose launch fails: no compile failure can be provoked for real here."""
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("PTX assembly failed")
+
+    stand_in = types.ModuleType("triton_kernels")
+    stand_in.quantize = stand_in.dequantize = stand_in.remainder_encode = stand_in.remainder_decode = Broken()
+    monkeypatch.setitem(sys.modules, "miles_plugins.optimizers.formats.triton_kernels", stand_in)
+    monkeypatch.setattr(formats, "triton_kernels", stand_in, raising=False)  # were it imported already
+    fused.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=fused.__name__):
+            assert fused.kernels() is None
+        assert "fused codec kernels unavailable (RuntimeError: PTX assembly failed)" in caplog.text
+    finally:
+        fused.kernels.cache_clear()
+
+
+@NEEDS_TRITON
 def test_interpreted_kernels_store_the_reference_bytes():
     # The interpreter is chosen when the kernels are decorated: a process of its own.
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
