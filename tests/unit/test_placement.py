@@ -4,6 +4,7 @@ Judged against the independent resident reference (``reference.reference_run``);
 on this CPU-only machine the ``gpu`` home is the compute device's memory, the CPU's.
 """
 
+import errno
 import os
 import re
 
@@ -260,6 +261,35 @@ def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path):
     streamed.store.restore_device_home()
     assert device_home._offloaded == {}
     train(model, optimizer, scheduler, range(12, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_an_offload_the_host_has_no_room_for_is_refused_before_anything_moves(tmp_path, monkeypatch):
+    """Pinned host memory the node does not have would end in the kernel's OOM killer
+    mid-rollout: the offload measures the host first and refuses, leaving the gpu home
+    where it is; training goes on as if it had not been asked."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **_all_three_homes())
+    store = streamed.store
+    device_home = store._backing.by_key["gpu"]
+    train(model, optimizer, scheduler, range(4))
+    home = device_home.bytes_on_device()
+    assert home > 0
+    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    margin = store.config.auto_host_margin_bytes
+    # Stand-in for /proc/meminfo: one byte short of the home beyond the margin.
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: margin + home - 1)
+    with pytest.raises(StreamIOError, match=r"the offload would put .* GB in \(pinned\) host memory") as refused:
+        store.offload_device_home()
+    assert refused.value.errno == errno.ENOMEM
+    assert device_home._offloaded == {} and device_home.bytes_on_device() == home
+    train(model, optimizer, scheduler, range(4, 8))
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: margin + home)  # just enough
+    store.offload_device_home()
+    assert device_home.bytes_on_device() == 0
+    store.restore_device_home()
+    train(model, optimizer, scheduler, range(8, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
 

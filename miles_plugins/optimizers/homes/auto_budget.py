@@ -28,6 +28,7 @@ that did not run before the first step (a checkpoint save, an evaluation).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import socket
@@ -38,6 +39,7 @@ from typing import Protocol
 import torch
 
 from miles_plugins.optimizers.config import AUTO
+from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER
 
 logger = logging.getLogger(__name__)
@@ -185,6 +187,24 @@ def host_budget(
         f"shared by {ranks} rank{'s' if ranks > 1 else ''} on this node ({counted})"
     )
     return budget, why
+
+
+def check_host_room(nbytes: int, margin_bytes: int, what: str) -> None:
+    """Refuse (``StreamIOError``, ENOMEM) to put ``nbytes`` more in host memory (pinned,
+    where CUDA is) beyond this rank's share of what the node has left, less
+    ``margin_bytes`` (:func:`host_budget`): pinned pages cannot be swapped, and a node out
+    of memory kills a rank with no error. Measured now, not at setup: other processes,
+    and the host home, may have taken memory since."""
+    budget, why = host_budget(margin_bytes)
+    if nbytes > budget:
+        raise StreamIOError(
+            f"{what} would put {nbytes / GB:.2f} GB in (pinned) host memory, more than this rank's share of what the "
+            f"node has ({budget / GB:.2f} GB: {why}); nothing moved, the buckets stay on the device. Lower the "
+            "GPU budget, leave the host more room, or lower the auto host margin",
+            "<host memory>",
+            0,
+            errno.ENOMEM,
+        )
 
 
 def resolve_host(config, group: bool = False):

@@ -318,6 +318,10 @@ class DeviceBacking:
         """Whether :meth:`to_host` moved the buffers to host memory."""
         return bool(self._offloaded)
 
+    def bytes_on_device(self) -> int:
+        """Bytes of the buffers still in device memory (what :meth:`to_host` would move)."""
+        return sum(b.numel() for i, b in self.buffers.items() if i not in self._offloaded)
+
     def to_host(self, pin: bool) -> None:
         """Move every buffer to host memory and free the device's (an RL rollout
         phase wants the GPU); steps still work, copying over PCIe, until :meth:`to_device`."""

@@ -17,6 +17,7 @@ import torch
 
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.auto_budget import check_host_room
 from miles_plugins.optimizers.homes.backings import DeviceBacking
 from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
@@ -94,6 +95,9 @@ class GpuHome:
             # goes to pinned host memory, as a fixed GPU budget's buckets do.
         backing = self.backing
         if backing is not None:
+            # Before anything moves: host memory the node does not have is refused here,
+            # not met by the kernel's OOM killer during the rollout.
+            check_host_room(backing.bytes_on_device(), store.config.auto_host_margin_bytes, "the offload")
             backing.to_host(pin=torch.cuda.is_available())
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
