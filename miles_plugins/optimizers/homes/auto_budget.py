@@ -199,8 +199,8 @@ def check_host_room(nbytes: int, margin_bytes: int, what: str) -> None:
     if nbytes > budget:
         raise StreamIOError(
             f"{what} would put {nbytes / GB:.2f} GB in (pinned) host memory, more than this rank's share of what the "
-            f"node has ({budget / GB:.2f} GB: {why}); nothing moved, the buckets stay on the device. Lower the "
-            "GPU budget, leave the host more room, or lower the auto host margin",
+            f"node has ({budget / GB:.2f} GB: {why}); nothing was put there: the buckets left in the gpu home stay on "
+            "the device. Lower the GPU budget, leave the host more room, or lower the auto host margin",
             "<host memory>",
             0,
             errno.ENOMEM,
