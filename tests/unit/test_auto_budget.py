@@ -343,11 +343,13 @@ def _rl(tmp_path, headroom_of_state: float = 0.5):
     return model, optimizer, scheduler, streamed, store, device
 
 
-def test_an_offload_gives_buckets_back_pinning_nothing_and_the_restore_refills(tmp_path):
+def test_an_offload_gives_buckets_back_pinning_nothing_and_the_restore_refills(tmp_path, monkeypatch):
     model, optimizer, scheduler, streamed, store, device = _rl(tmp_path, 1.0)
     train(model, optimizer, scheduler, range(0, 2))
     moved = store.placement["gpu"]
     assert moved == len(store.buckets)
+    # No host memory left at all: nothing is pinned, so nothing is refused.
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 0)
     store.offload_device_home()  # an RL rollout wants the GPU
     assert store.placement["gpu"] == 0 and not store._backing.by_key["gpu"].offloaded
     store.restore_device_home()

@@ -276,16 +276,15 @@ def test_an_offload_the_host_has_no_room_for_is_refused_before_anything_moves(tm
     home = device_home.bytes_on_device()
     assert home > 0
     monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    margin = store.config.auto_host_margin_bytes
-    # Stand-in for /proc/meminfo: one byte short of the home beyond the margin.
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: margin + home - 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks offload at once: each has half
+    # Stand-in for /proc/meminfo: one byte short of the two homes.
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home - 1)
     with pytest.raises(StreamIOError, match=r"the offload would put .* GB in \(pinned\) host memory") as refused:
         store.offload_device_home()
-    assert refused.value.errno == errno.ENOMEM
+    assert refused.value.errno == errno.ENOMEM and "shared by 2 ranks" in str(refused.value)
     assert device_home._offloaded == {} and device_home.bytes_on_device() == home
     train(model, optimizer, scheduler, range(4, 8))
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: margin + home)  # just enough
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home)  # just enough
     store.offload_device_home()
     assert device_home.bytes_on_device() == 0
     store.restore_device_home()
@@ -498,6 +497,8 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
     sizes = _bucket_sizes()
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
+    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
     model = Net(torch.bfloat16)
     optimizer = torch.optim.AdamW(groups(model))
@@ -512,6 +513,14 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
         optimizer.zero_grad()
         between_steps(optimizer, scheduler, step)
         if step == 1:
+            # Only the setup's buckets would be pinned (the others have places below): one
+            # byte short of them, the offload is refused before any bucket moves.
+            monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
+            before = dict(streamed.store.placement)
+            with pytest.raises(StreamIOError, match="the offload would put"):
+                streamed.store.offload_device_home()
+            assert streamed.store.placement == before
+            monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]))
             streamed.store.offload_device_home()
             streamed.store.restore_device_home()
     by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}

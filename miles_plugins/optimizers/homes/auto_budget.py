@@ -189,18 +189,25 @@ def host_budget(
     return budget, why
 
 
-def check_host_room(nbytes: int, margin_bytes: int, what: str) -> None:
+def check_host_room(nbytes: int, ranks_at_least: int, what: str) -> None:
     """Refuse (``StreamIOError``, ENOMEM) to put ``nbytes`` more in host memory (pinned,
-    where CUDA is) beyond this rank's share of what the node has left, less
-    ``margin_bytes`` (:func:`host_budget`): pinned pages cannot be swapped, and a node out
-    of memory kills a rank with no error. Measured now, not at setup: other processes,
-    and the host home, may have taken memory since."""
-    budget, why = host_budget(margin_bytes)
-    if nbytes > budget:
+    where CUDA is) when this rank's share of what the node has available now
+    (MemAvailable, and the cgroup's room) cannot hold it: pinned pages cannot be
+    swapped, and a node out of memory kills a rank with no error. Exact, not cautious:
+    the auto host budget left its margin for such memory, which may use it. The node's
+    ranks are the larger of ``ranks_at_least`` (counted at setup) and :func:`local_ranks`'
+    count: every rank of an RL phase switch offloads at once."""
+    available = _meminfo_bytes("MemAvailable")
+    room = cgroup_room()
+    usable = available if room is None else min(available, room)
+    ranks = max(ranks_at_least, local_ranks()[0])
+    if nbytes > usable // ranks:
+        limit = "" if room is None else f", {room / GB:.2f} GB left under the cgroup's limit"
         raise StreamIOError(
-            f"{what} would put {nbytes / GB:.2f} GB in (pinned) host memory, more than this rank's share of what the "
-            f"node has ({budget / GB:.2f} GB: {why}); nothing was put there: the buckets left in the gpu home stay on "
-            "the device. Lower the GPU budget, leave the host more room, or lower the auto host margin",
+            f"{what} would put {nbytes / GB:.2f} GB in (pinned) host memory; the node has "
+            f"{available / GB:.2f} GB available{limit}, shared by {ranks} rank{'s' if ranks > 1 else ''}. Nothing "
+            "was put there: the buckets stay on the device. Give the host room for it: a larger auto host margin "
+            "(--stream-optimizer-state-auto-host-margin-gb) or a smaller host budget, or a smaller GPU budget",
             "<host memory>",
             0,
             errno.ENOMEM,

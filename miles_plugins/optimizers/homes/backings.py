@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -318,9 +318,10 @@ class DeviceBacking:
         """Whether :meth:`to_host` moved the buffers to host memory."""
         return bool(self._offloaded)
 
-    def bytes_on_device(self) -> int:
-        """Bytes of the buffers still in device memory (what :meth:`to_host` would move)."""
-        return sum(b.numel() for i, b in self.buffers.items() if i not in self._offloaded)
+    def bytes_on_device(self, excluding: Container[int] = ()) -> int:
+        """Bytes of the buffers still in device memory (what :meth:`to_host` would move),
+        but those of the buckets ``excluding`` names."""
+        return sum(b.numel() for i, b in self.buffers.items() if i not in self._offloaded and i not in excluding)
 
     def to_host(self, pin: bool) -> None:
         """Move every buffer to host memory and free the device's (an RL rollout

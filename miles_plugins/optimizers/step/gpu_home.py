@@ -72,6 +72,14 @@ class GpuHome:
 
     def offload(self, store, auto_gpu) -> None:
         """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None."""
+        backing = self.backing
+        if backing is not None:
+            # What will be pinned: under an auto budget only the buckets placed on the device
+            # at setup (the others go back to their places below, pinning nothing), else the
+            # whole home. Checked before anything moves: host memory the node does not have
+            # is refused here, not met by the kernel's OOM killer during the rollout.
+            below = self._backing.below if auto_gpu is not None else {}
+            check_host_room(backing.bytes_on_device(excluding=below), store.config.drive_ranks, "the offload")
         if auto_gpu is not None:
             # Buckets with a place below go back to it, pinning nothing more.
             auto_gpu.offload(
@@ -93,11 +101,7 @@ class GpuHome:
                 return  # the budget gave the freed memory to the driver, for another process
             # What remains was placed on the device at setup (host and disk had no room): it
             # goes to pinned host memory, as a fixed GPU budget's buckets do.
-        backing = self.backing
         if backing is not None:
-            # Before anything moves: host memory the node does not have is refused here,
-            # not met by the kernel's OOM killer during the rollout.
-            check_host_room(backing.bytes_on_device(), store.config.auto_host_margin_bytes, "the offload")
             backing.to_host(pin=torch.cuda.is_available())
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
