@@ -5,10 +5,12 @@
 For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024;
 24 layers = 7.6B params), one entry each, as the store converts them: the fp32 main
 to remainder low bits and back (beside its bf16 param), both moments to 8-bit codes
-and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). Timed with CUDA events, once
-with the reference torch formulations (``quant8.py``, ``remainder.py``) and once with
-the fused Triton kernels (``fused.py``), in one process; the stored bytes of the two
-are compared.
+and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). Wall time around device
+synchronizations, once with the reference torch formulations (``quant8.py``,
+``remainder.py``) and once with the fused Triton kernels (``fused.py``), in one
+process; the stored bytes of the largest entry are compared (the GPU tier and the
+kernels' self-test compare every byte, edge cases included). The entries reuse
+one set of buffers: one sample per formulation, after a warm-up.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment

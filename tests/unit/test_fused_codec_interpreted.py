@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import formats
-from miles_plugins.optimizers.formats import fused, quant8, remainder
+from miles_plugins.optimizers.formats import convert, fused, quant8, remainder
 
 NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
@@ -82,7 +82,7 @@ def _check_remainder(numel: int) -> None:
         kernel.view(-1),
         param.view(-1),
         low,
-        reference=lambda s, e: remainder._chunk_exceptions(kernel, param, s, e)[:2],
+        reference=lambda s, e: remainder._exceptions(kernel, param, s, e),
     )
     assert len(exceptions) >= numel // 97
     assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
@@ -102,7 +102,7 @@ def _check_exception_overflow() -> None:
         kernel.view(-1),
         param.view(-1),
         low,
-        reference=lambda s, e: remainder._chunk_exceptions(kernel, param, s, e)[:2],
+        reference=lambda s, e: remainder._exceptions(kernel, param, s, e),
     )
     assert len(index) == 3000
     fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
@@ -146,8 +146,9 @@ def test_interpreted_kernels_store_the_reference_bytes():
 
 
 if __name__ == "__main__":
-    assert fused.kernels() is not None
+    assert fused.kernels() is not None  # built, and its self-test passed
     fused.SCRATCH_ELEMENTS = SCRATCH
+    convert.CHUNK_ELEMENTS = SCRATCH // 2  # the reference, the fallback and decode's exceptions in chunks too
     for numel in (256, 1000, SCRATCH, 5000, 70001):
         _check_quant8(numel)
         _check_remainder(numel)

@@ -10,7 +10,10 @@ round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate); the cod
 value is the count of map midpoints ``m`` with ``not (m >= v)`` (a binary search),
 which is what ``torch.bucketize`` returns on CPU and CUDA, a NaN included (code 255);
 a block's scale is ``torch.maximum(amax, -amin).abs()``, NaN when the block holds
-one (the NaN's bits may differ: either decodes the whole block to NaN). The GPU tier compares the bytes with the CPU reference.
+one (the NaN's bits may differ: either decodes the whole block to NaN). The GPU tier
+compares the bytes with the CPU reference, and so does a self-test on crafted values
+when the kernels are first wanted: a Triton that does not build them, or builds them
+to other bytes, leaves the reference in charge, with a warning.
 
 In place, in few launches: the stored form lives in the first bytes of the fp32
 tensor's storage (see ``convert.py``). A chunk of fp32 elements ``[s, e)`` (bytes
@@ -23,15 +26,16 @@ which overlaps itself, goes through a scratch of ``SCRATCH_ELEMENTS`` codes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
 
-from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ _SPAN = 4096
 _EXCEPTION_SLOTS = 1 << 16
 # The longest chunk of one launch: element offsets inside a kernel are 32-bit.
 _MAX_CHUNK = 1 << 30
+# Chunk boundaries are sums of these: a quant8 block (256 elements) never straddles two.
+assert SCRATCH_ELEMENTS % 256 == 0 and _MAX_CHUNK % 256 == 0, "chunks must hold whole 8-bit blocks"
 
 
 # MILES_FUSED_CODEC=0 keeps the reference formulations on CUDA too (a kill switch; the
@@ -56,41 +62,89 @@ enabled = os.environ.get("MILES_FUSED_CODEC", "1") != "0"
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The kernels' module, imported and compiled on first use (Triton takes a while to
-    import, and CPU hosts need none of it); None where Triton is not installed or the
-    kernels do not build here (then the reference formulations serve, with a warning)."""
+    """The kernels' module, imported, compiled and checked on first use (Triton takes a
+    while to import, and CPU hosts need none of it); None where Triton is not installed,
+    or the kernels do not build here or give other bytes than the reference (then the
+    reference formulations serve, with a warning, for the rest of the process)."""
     try:
         from miles_plugins.optimizers.formats import triton_kernels
     except ImportError:
         return None
     try:
-        _compile(triton_kernels)
-    except Exception as exc:  # a compiler or cache directory that fails here: at setup, not mid-step
+        _self_test(triton_kernels)
+    except Exception as exc:  # a compiler, cache directory or Triton version that fails here, not mid-step
         logger.warning("fused codec kernels unavailable (%s: %s); using the torch reference", type(exc).__name__, exc)
         return None
     return triton_kernels
 
 
-def _compile(module: ModuleType) -> None:
-    """Build every kernel by running it once on a small tensor of the current device
-    (Triton compiles at first launch): a failure shows here, before any state is converted."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
+def _self_test(module: ModuleType) -> None:
+    """Build every kernel (Triton compiles at first launch) on crafted values of the
+    current device (the CPU under Triton's interpreter) and compare what it stores with
+    the reference on the CPU: exact ties, zero, subnormal, infinite and NaN values,
+    remainder exceptions. Raises where a byte differs."""
     from miles_plugins.optimizers.formats import quant8, remainder
 
-    for signed, sqrt in quant8.MOMENT_FORMATS.values():
-        t = torch.ones(2 * quant8.BLOCK, device=device)
-        codes, scales = quant8._codes_and_scales(t)
-        scale = torch.empty(2, device=device)
-        values, midpoints = quant8._tables(signed, t.device)
-        quant8_narrow(t.view(-1), codes, scale, midpoints, sqrt, quant8.BLOCK, module)
-        quant8_widen(t.view(-1), codes, scale, values, sqrt, quant8.BLOCK, module)
-    main = torch.ones(16, device=device)
-    param = main.bfloat16()
-    low = remainder.stored_view(main, remainder.STORAGE_DTYPE)
-    index, high = remainder_encode(main, param, low, None, module)
-    remainder_decode(main, param, low, index, high, module)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    block = quant8.BLOCK
+    x = torch.zeros(5 * block + 7)  # block 0 all zero; a partial last block
+    x[block] = 1.0  # scale 1: the next values are the signed map's midpoints themselves (ties)
+    x[block + 1 : 2 * block] = quant8._tables(True, torch.device("cpu"))[1]
+    x[2 * block : 3 * block] = torch.linspace(-1, 1, block) * 1e-39  # subnormal
+    x[3 * block + 5], x[4 * block + 9] = float("inf"), float("nan")
+    x[3 * block + 6 : 4 * block] = torch.linspace(-3, 2, block - 6)
+    x[5 * block :] = torch.tensor([3.0, -2.5, 1e-3, -7.0, 0.5, 1e-45, -0.0])
+    # Two lengths, one a multiple of 16 and one not: Triton specializes a kernel on that.
+    cases = [(name, v[:n]) for name, v in (("exp_avg", x), ("exp_avg_sq", x.abs())) for n in (4 * block, x.numel())]
+    for name, values in cases:
+        signed, sqrt = quant8.MOMENT_FORMATS[name]
+        expected, t = values.clone(), values.to(device, copy=True)
+        quant8.narrow_in_place(expected, signed, sqrt)
+        codes, scale_bytes = quant8._codes_and_scales(t)
+        scales = torch.empty(-(-t.numel() // block), device=device)
+        quant8_narrow(t.view(-1), codes, scales, quant8._tables(signed, device)[1], sqrt, block, module)
+        scale_bytes.copy_(scales.view(torch.uint8))
+        _same(name + " codes", expected.view(torch.uint8)[: t.numel()], codes.cpu())
+        _same(
+            name + " scales",
+            expected.view(torch.uint8)[t.numel() : quant8.stored_nbytes(t.numel())].clone(),
+            scales.cpu(),
+        )
+        quant8.widen_in_place(expected, signed, sqrt)
+        quant8_widen(t.view(-1), codes, scales, quant8._tables(signed, device)[0], sqrt, block, module)
+        _same(name + " values", expected, t.cpu())
+    for length in (3 * block, 3 * block + 5):
+        main = torch.linspace(-4, 4, length)
+        bits = main.view(torch.int32)
+        bits[::7] = (bits[::7] & ~0xFFFF) | 0x18000  # exact ties with an odd high half: exceptions
+        main[3], main[4], main[5] = float("nan"), float("-inf"), 1e-40
+        param = main.bfloat16()
+        expected = main.clone()
+        exceptions = remainder.encode_in_place(expected, param)
+        t, p = main.to(device, copy=True), param.to(device, copy=True)
+        low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
+        index, high = remainder_encode(t.view(-1), p.view(-1), low, None, module)
+        _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
+        _same(
+            "remainder exceptions",
+            torch.cat([exceptions.index, exceptions.high.long()]),
+            torch.cat([index, high.long()]),
+        )
+        remainder_decode(t.view(-1), p.view(-1), low, index, high, module)
+        _same("remainder mains", main, t.cpu())
+
+
+def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
+    """Raise unless ``got`` holds ``expected``'s bytes (fp32 NaNs: any NaN, since their bits differ by device)."""
+    if expected.dtype == torch.uint8 and got.dtype == torch.float32:
+        expected = expected.view(torch.float32)
+    if expected.dtype == torch.float32:
+        nan = torch.isnan(expected)
+        if not torch.equal(nan, torch.isnan(got)):
+            raise RuntimeError(f"self-test: {what}: NaN elsewhere than the reference's")
+        expected, got = expected[~nan].view(torch.int32), got[~nan].view(torch.int32)
+    if not torch.equal(expected, got):
+        raise RuntimeError(f"self-test: {what}: other bytes than the reference's")
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -100,6 +154,20 @@ def applies(t: torch.Tensor) -> bool:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _on_the_tensors_device(convert: Callable) -> Callable:
+    """Run ``convert(flat, ...)`` with ``flat``'s device current: Triton launches on the
+    current device's current stream, where torch's own ops run under the tensor's device;
+    so the launches order with the stream the store queued its work on, whichever
+    device is current."""
+
+    @functools.wraps(convert)
+    def on_device(flat: torch.Tensor, *args, **kwargs):
+        with torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
+            return convert(flat, *args, **kwargs)
+
+    return on_device
 
 
 def geometric_chunks(n: int, widen: int) -> Iterator[tuple[int, int]]:
@@ -118,6 +186,7 @@ def _blocks_grid(n: int, block: int) -> tuple[int]:
 
 
 @torch.no_grad()
+@_on_the_tensors_device
 def quant8_narrow(
     flat: torch.Tensor,
     codes_out: torch.Tensor,
@@ -143,6 +212,7 @@ def quant8_narrow(
 
 
 @torch.no_grad()
+@_on_the_tensors_device
 def quant8_widen(
     flat: torch.Tensor,
     codes_in: torch.Tensor,
@@ -164,6 +234,7 @@ def quant8_widen(
 
 
 @torch.no_grad()
+@_on_the_tensors_device
 def remainder_encode(
     flat: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor, reference, module: ModuleType | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +276,7 @@ def remainder_encode(
 
 
 @torch.no_grad()
+@_on_the_tensors_device
 def remainder_decode(
     flat: torch.Tensor,
     param: torch.Tensor,
@@ -220,5 +292,10 @@ def remainder_decode(
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=2))):
         source = low_in[s:e].clone() if s == 0 else low_in[s:e]
         module.remainder_decode[(_cdiv(e - s, _SPAN),)](source, param[s:e], bits[s:e], e - s, SPAN=_SPAN)
-    if index.numel():
-        flat.view(torch.int16).view(-1, 2)[:, 1][index.to(flat.device)] = high.to(flat.device)
+    # The exceptions' true high halves, a conversion chunk at a time (as the reference):
+    # their device copies stay within the conversion scratch, however many there are.
+    highs = flat.view(torch.int16).view(-1, 2)[:, 1]
+    for s, e in chunks(flat.numel()) if index.numel() else ():
+        first, last = torch.searchsorted(index, torch.tensor([s, e])).tolist()
+        if last > first:
+            highs[index[first:last].to(flat.device)] = high[first:last].to(flat.device)

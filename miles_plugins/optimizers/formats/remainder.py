@@ -79,6 +79,13 @@ def _chunk_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -
     return index.cpu() + s, high[index].cpu(), low
 
 
+def _exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_exceptions` of elements ``[s, e)``, a conversion chunk at a time (the
+    fused encoder's fallback: its chunks may be far longer than the conversion scratch)."""
+    found = [_chunk_exceptions(flat, param, s + a, s + b)[:2] for a, b in chunks(e - s)]
+    return torch.cat([index for index, _ in found]), torch.cat([high for _, high in found])
+
+
 @torch.no_grad()
 def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     """Rewrite the fp32 ``main`` as its low 16 bits, in the first half of its bytes
@@ -86,9 +93,7 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     ``main``'s fp32 values are gone afterwards."""
     flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
     if fused.applies(main):
-        index, high = fused.remainder_encode(
-            flat, param, out, reference=lambda s, e: _chunk_exceptions(flat, param, s, e)[:2]
-        )
+        index, high = fused.remainder_encode(flat, param, out, reference=lambda s, e: _exceptions(flat, param, s, e))
         return Exceptions(index, high) if index.numel() else Exceptions.none()
     indices, highs = [], []
     for s, e in chunks(main.numel()):
