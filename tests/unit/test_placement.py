@@ -275,21 +275,59 @@ def test_an_offload_the_host_has_no_room_for_is_refused_before_anything_moves(tm
     train(model, optimizer, scheduler, range(4))
     home = device_home.bytes_on_device()
     assert home > 0
+    # Stand-ins for /proc/meminfo and the cgroup: one byte short of the home.
     monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks offload at once: each has half
-    # Stand-in for /proc/meminfo: one byte short of the two homes.
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home - 1)
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: home - 1)
     with pytest.raises(StreamIOError, match=r"the offload would put .* GB in \(pinned\) host memory") as refused:
         store.offload_device_home()
-    assert refused.value.errno == errno.ENOMEM and "shared by 2 ranks" in str(refused.value)
+    assert refused.value.errno == errno.ENOMEM
     assert device_home._offloaded == {} and device_home.bytes_on_device() == home
     train(model, optimizer, scheduler, range(4, 8))
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home)  # just enough
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home)
+    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: home - 1)  # the cgroup's limit counts too
+    with pytest.raises(StreamIOError, match="left under the cgroup's limit"):
+        store.offload_device_home()
+    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: home)  # just enough
     store.offload_device_home()
     assert device_home.bytes_on_device() == 0
     store.restore_device_home()
     train(model, optimizer, scheduler, range(8, STEPS))
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_an_auto_offload_counts_only_what_it_would_pin_and_refuses_before_moving_any(
+    tmp_path, small_drives, monkeypatch
+):
+    """Under an auto GPU budget the buckets moved up from the disk go back to it, pinning
+    nothing; only those placed on the device at setup would be pinned. The check counts
+    those alone, and runs before any bucket moves."""
+    sizes = _bucket_sizes()
+    drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
+    monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
+    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    model = Net(torch.bfloat16)
+    optimizer = torch.optim.AdamW(groups(model))
+    config = StreamConfig(directory=str(drive / "state"), bucket_cap_elements=CAP, gpu_budget_bytes="auto")
+    streamed = StreamedOptimizer(optimizer, config)
+    scheduler = schedule(optimizer)
+    for step in range(2):
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+    store = streamed.store
+    moved, _ = store.move_to_gpu_home(10**9, "disk")  # as the budget does after a step with room
+    assert moved > 0 and store._backing.below
+    before = dict(store.placement)
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
+    with pytest.raises(StreamIOError, match="the offload would put"):
+        store.offload_device_home()
+    assert store.placement == before  # nothing went back below either
+    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]))  # the setup's buckets fit
+    store.offload_device_home()
+    assert store.placement["gpu"] == 2 and store._backing.by_key["gpu"].bytes_on_device() == 0
+    store.restore_device_home()
     streamed.close()
 
 
@@ -498,7 +536,6 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
     monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
     model = Net(torch.bfloat16)
     optimizer = torch.optim.AdamW(groups(model))

@@ -189,25 +189,25 @@ def host_budget(
     return budget, why
 
 
-def check_host_room(nbytes: int, ranks_at_least: int, what: str) -> None:
+def check_host_room(nbytes: int, what: str) -> None:
     """Refuse (``StreamIOError``, ENOMEM) to put ``nbytes`` more in host memory (pinned,
-    where CUDA is) when this rank's share of what the node has available now
-    (MemAvailable, and the cgroup's room) cannot hold it: pinned pages cannot be
-    swapped, and a node out of memory kills a rank with no error. Exact, not cautious:
-    the auto host budget left its margin for such memory, which may use it. The node's
-    ranks are the larger of ``ranks_at_least`` (counted at setup) and :func:`local_ranks`'
-    count: every rank of an RL phase switch offloads at once."""
+    where CUDA is) when the node does not have them now (MemAvailable, and the cgroup's
+    room): pinned pages cannot be swapped, and a node out of memory kills a rank with no
+    error. Exact, not cautious: it refuses only what cannot fit (the auto host budget
+    left its margin for such memory). Not a share: ranks that pinned before this one
+    already lowered MemAvailable, and dividing it again would refuse the last ranks of
+    an offload that fits; ranks measuring at the same instant are not counted against
+    each other (no collective is safe here)."""
     available = _meminfo_bytes("MemAvailable")
     room = cgroup_room()
     usable = available if room is None else min(available, room)
-    ranks = max(ranks_at_least, local_ranks()[0])
-    if nbytes > usable // ranks:
+    if nbytes > usable:
         limit = "" if room is None else f", {room / GB:.2f} GB left under the cgroup's limit"
         raise StreamIOError(
             f"{what} would put {nbytes / GB:.2f} GB in (pinned) host memory; the node has "
-            f"{available / GB:.2f} GB available{limit}, shared by {ranks} rank{'s' if ranks > 1 else ''}. Nothing "
-            "was put there: the buckets stay on the device. Give the host room for it: a larger auto host margin "
-            "(--stream-optimizer-state-auto-host-margin-gb) or a smaller host budget, or a smaller GPU budget",
+            f"{available / GB:.2f} GB available{limit}. Nothing was put there: the buckets stay on the device. "
+            "Leave the host room for it (under an auto host budget: a larger "
+            "--stream-optimizer-state-auto-host-margin-gb), or keep fewer buckets on the GPU",
             "<host memory>",
             0,
             errno.ENOMEM,

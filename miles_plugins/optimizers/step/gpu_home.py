@@ -79,7 +79,7 @@ class GpuHome:
             # whole home. Checked before anything moves: host memory the node does not have
             # is refused here, not met by the kernel's OOM killer during the rollout.
             below = self._backing.below if auto_gpu is not None else {}
-            check_host_room(backing.bytes_on_device(excluding=below), store.config.drive_ranks, "the offload")
+            check_host_room(backing.bytes_on_device(excluding=below), "the offload")
         if auto_gpu is not None:
             # Buckets with a place below go back to it, pinning nothing more.
             auto_gpu.offload(
