@@ -6,7 +6,9 @@ remainder encoder waits on the host for every 4M-element chunk's exceptions. A f
 each fp32 element once and writes its stored form once.
 
 Exactness: every operation is the reference's IEEE one. ``tl.div_rn`` and ``tl.sqrt_rn``
-round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate); the code of a
+round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate), and subnormal
+operands are first scaled by powers of two (exact), since Triton builds before
+triton-lang/triton#8557 flush them to zero in those two; the code of a
 value is the count of map midpoints ``m`` with ``not (m >= v)`` (a binary search),
 which is what ``torch.bucketize`` returns on CPU and CUDA, a NaN included (code 255);
 a block's scale is ``torch.maximum(amax, -amin).abs()``, NaN when the block holds
@@ -60,40 +62,52 @@ assert SCRATCH_ELEMENTS % 256 == 0 and _MAX_CHUNK % 256 == 0, "chunks must hold 
 enabled = os.environ.get("MILES_FUSED_CODEC", "1") != "0"
 
 
+def kernels(device: torch.device | None = None) -> ModuleType | None:
+    """The kernels' module for ``device`` (the current CUDA device when not given),
+    imported, compiled and checked there on first use (Triton takes a while to import,
+    and CPU hosts need none of it); None where Triton is not installed, or the kernels do
+    not build there or give other bytes than the reference (then the reference
+    formulations serve, with a warning, for the rest of the process)."""
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _checked_kernels(device)
+
+
 @functools.cache
-def kernels() -> ModuleType | None:
-    """The kernels' module, imported, compiled and checked on first use (Triton takes a
-    while to import, and CPU hosts need none of it); None where Triton is not installed,
-    or the kernels do not build here or give other bytes than the reference (then the
-    reference formulations serve, with a warning, for the rest of the process)."""
+def _checked_kernels(device: torch.device) -> ModuleType | None:
     try:
         from miles_plugins.optimizers.formats import triton_kernels
     except ImportError:
         return None
     try:
-        _self_test(triton_kernels)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _self_test(triton_kernels, device)
     except Exception as exc:  # a compiler, cache directory or Triton version that fails here, not mid-step
-        logger.warning("fused codec kernels unavailable (%s: %s); using the torch reference", type(exc).__name__, exc)
+        logger.warning(
+            "fused codec kernels unavailable on %s (%s: %s); using the torch reference", device, type(exc).__name__, exc
+        )
         return None
     return triton_kernels
 
 
-def _self_test(module: ModuleType) -> None:
-    """Build every kernel (Triton compiles at first launch) on crafted values of the
-    current device (the CPU under Triton's interpreter) and compare what it stores with
-    the reference on the CPU: exact ties, zero, subnormal, infinite and NaN values,
-    remainder exceptions. Raises where a byte differs."""
+def _self_test(module: ModuleType, device: torch.device) -> None:
+    """Build every kernel (Triton compiles at first launch) on crafted values on
+    ``device`` (the CPU under Triton's interpreter) and compare what it stores with the
+    reference on the CPU: exact ties, zero (both signs), subnormal, infinite and NaN
+    values, remainder exceptions. Raises where a byte differs."""
     from miles_plugins.optimizers.formats import quant8, remainder
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    block = quant8.BLOCK
-    x = torch.zeros(5 * block + 7)  # block 0 all zero; a partial last block
+    cpu, block = torch.device("cpu"), quant8.BLOCK
+    x = torch.zeros(6 * block + 7, device=cpu)  # block 0 all +0; a partial last block
     x[block] = 1.0  # scale 1: the next values are the signed map's midpoints themselves (ties)
-    x[block + 1 : 2 * block] = quant8._tables(True, torch.device("cpu"))[1]
-    x[2 * block : 3 * block] = torch.linspace(-1, 1, block) * 1e-39  # subnormal
+    x[block + 1 : 2 * block] = quant8._tables(True, cpu)[1]
+    x[2 * block : 3 * block] = torch.linspace(-1, 1, block, device=cpu) * 1e-39  # subnormal
     x[3 * block + 5], x[4 * block + 9] = float("inf"), float("nan")
-    x[3 * block + 6 : 4 * block] = torch.linspace(-3, 2, block - 6)
-    x[5 * block :] = torch.tensor([3.0, -2.5, 1e-3, -7.0, 0.5, 1e-45, -0.0])
+    x[3 * block + 6 : 4 * block] = torch.linspace(-3, 2, block - 6, device=cpu)
+    x[5 * block : 6 * block] = -0.0
+    x[6 * block :] = torch.tensor([3.0, -2.5, 1e-3, -7.0, 0.5, 1e-45, -0.0], device=cpu)
     # Two lengths, one a multiple of 16 and one not: Triton specializes a kernel on that.
     cases = [(name, v[:n]) for name, v in (("exp_avg", x), ("exp_avg_sq", x.abs())) for n in (4 * block, x.numel())]
     for name, values in cases:
@@ -114,7 +128,7 @@ def _self_test(module: ModuleType) -> None:
         quant8_widen(t.view(-1), codes, scales, quant8._tables(signed, device)[0], sqrt, block, module)
         _same(name + " values", expected, t.cpu())
     for length in (3 * block, 3 * block + 5):
-        main = torch.linspace(-4, 4, length)
+        main = torch.linspace(-4, 4, length, device=cpu)
         bits = main.view(torch.int32)
         bits[::7] = (bits[::7] & ~0xFFFF) | 0x18000  # exact ties with an odd high half: exceptions
         main[3], main[4], main[5] = float("nan"), float("-inf"), 1e-40
@@ -125,13 +139,10 @@ def _self_test(module: ModuleType) -> None:
         low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
         index, high = remainder_encode(t.view(-1), p.view(-1), low, None, module)
         _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
-        _same(
-            "remainder exceptions",
-            torch.cat([exceptions.index, exceptions.high.long()]),
-            torch.cat([index, high.long()]),
-        )
+        found = torch.cat([index, high.long()])
+        _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
         remainder_decode(t.view(-1), p.view(-1), low, index, high, module)
-        _same("remainder mains", main, t.cpu())
+        _same("remainder mains", main.view(torch.int32), t.cpu().view(torch.int32))  # every bit, NaN's too
 
 
 def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
@@ -149,7 +160,7 @@ def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
 
 def applies(t: torch.Tensor) -> bool:
     """Whether the fused kernels serve ``t``: a CUDA tensor, Triton installed, not switched off."""
-    return enabled and t.is_cuda and kernels() is not None
+    return enabled and t.is_cuda and kernels(t.device) is not None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -198,8 +209,8 @@ def quant8_narrow(
 ) -> None:
     """Codes of the fp32 ``flat`` on the map whose ``midpoints`` are given into
     ``codes_out`` (the first bytes of its own storage), its block scales into ``scales``
-    (a separate tensor). ``module``: the kernels (``kernels()`` when not given)."""
-    module = module or kernels()
+    (a separate tensor). ``module``: the kernels (``kernels(flat.device)`` when not given)."""
+    module = module or kernels(flat.device)
     scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.uint8, device=flat.device)
     for s, e in geometric_chunks(flat.numel(), widen=4):
         # The first chunk's codes would land on its own unread elements: via the scratch.
@@ -224,7 +235,7 @@ def quant8_widen(
 ) -> None:
     """fp32 values of ``codes_in`` (the first bytes of ``flat``'s storage) on the map
     ``values`` under ``scales`` (a separate tensor) into ``flat``, back to front."""
-    module = module or kernels()
+    module = module or kernels(flat.device)
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=4))):
         # The first chunk's fp32 values land on its own codes: read them out first.
         source = codes_in[s:e].clone() if s == 0 else codes_in[s:e]
@@ -242,7 +253,7 @@ def remainder_encode(
     returns the exceptions (flat indices ascending, true high bits) on the CPU.
     ``reference(s, e)`` finds a chunk's exceptions the slow way, from its still unwritten
     fp32 elements, when they overflow the device's slots."""
-    module = module or kernels()
+    module = module or kernels(flat.device)
     bits, param = flat.view(torch.int32), param.view(torch.int16)
     device = flat.device
     scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.int16, device=device)
@@ -287,7 +298,7 @@ def remainder_decode(
 ) -> None:
     """Rebuild the fp32 ``flat`` from its low bits ``low_in`` (the first half of its
     storage), the bf16 ``param`` and the exceptions, back to front."""
-    module = module or kernels()
+    module = module or kernels(flat.device)
     bits, param = flat.view(torch.int32), param.view(torch.int16)
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=2))):
         source = low_in[s:e].clone() if s == 0 else low_in[s:e]
@@ -296,6 +307,6 @@ def remainder_decode(
     # their device copies stay within the conversion scratch, however many there are.
     highs = flat.view(torch.int16).view(-1, 2)[:, 1]
     for s, e in chunks(flat.numel()) if index.numel() else ():
-        first, last = torch.searchsorted(index, torch.tensor([s, e])).tolist()
+        first, last = torch.searchsorted(index, torch.tensor([s, e], device=index.device)).tolist()
         if last > first:
             highs[index[first:last].to(flat.device)] = high[first:last].to(flat.device)

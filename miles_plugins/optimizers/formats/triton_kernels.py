@@ -4,6 +4,11 @@ it is exact): imported only on a first CUDA conversion, where Triton is installe
 import triton
 import triton.language as tl
 
+_SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126
+_TWO_64 = tl.constexpr(18446744073709551616.0)
+_TWO_MINUS_32 = tl.constexpr(2.3283064365386963e-10)
+_TWO_MINUS_64 = tl.constexpr(5.421010862427522e-20)
+
 
 @triton.jit
 def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
@@ -12,7 +17,11 @@ def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOC
     inside = offs < n
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)  # zero padding, as the reference pads
     if SQRT:
-        x = tl.sqrt_rn(x)
+        # Subnormal inputs scaled up by 2^64 and the root down by 2^32, both exact: Triton
+        # builds before triton-lang/triton#8557 flush subnormals in sqrt_rn and div_rn.
+        small = x < _SMALLEST_NORMAL
+        root = tl.sqrt_rn(tl.where(small, x * _TWO_64, x))
+        x = tl.where(small, root * _TWO_MINUS_32, root)
     amax = tl.max(x, axis=1)
     neg_amin = -tl.min(x, axis=1)
     scale = tl.where(amax >= neg_amin, amax, neg_amin)
@@ -21,7 +30,13 @@ def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOC
     scale = (scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
     scale = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), scale)
     tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
-    v = tl.div_rn(x, tl.where(scale == 0.0, 1.0, scale)[:, None])
+    divisor = tl.where(scale == 0.0, 1.0, scale)
+    # A block below 2^-64 (subnormals possible) divided as x * 2^64 / (scale * 2^64): the
+    # same quotient, from normal operands (see the square root above). A subnormal
+    # quotient flushed to zero keeps its code: the map's nearest values are ~1e-7.
+    tiny = divisor < _TWO_MINUS_64
+    numerator = tl.where(tiny[:, None], x * _TWO_64, x)
+    v = tl.div_rn(numerator, tl.where(tiny, divisor * _TWO_64, divisor)[:, None])
     code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
     for level in tl.static_range(8):  # binary search over the 255 midpoints
         mid = tl.load(mids_ptr + code + ((128 >> level) - 1))
