@@ -137,7 +137,8 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
         exceptions = remainder.encode_in_place(expected, param)
         t, p = main.to(device, copy=True), param.to(device, copy=True)
         low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
-        index, high = remainder_encode(t.view(-1), p.view(-1), low, None, module)
+        fallback = functools.partial(remainder._exceptions, t.view(-1), p.view(-1))  # slots overflowed
+        index, high = remainder_encode(t.view(-1), p.view(-1), low, fallback, module)
         _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
         found = torch.cat([index, high.long()])
         _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
