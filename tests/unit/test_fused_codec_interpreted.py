@@ -67,6 +67,14 @@ def _check_quant8(numel: int) -> None:
         assert torch.equal(reference.view(torch.int32), widened.view(torch.int32)), (numel, name)
 
 
+def _fused_encode(kernel: torch.Tensor, param: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused remainder encoder on ``kernel``, with the reference's fallback, as
+    ``remainder.encode_in_place`` calls it on CUDA."""
+    return fused.remainder_encode(
+        kernel.view(-1), param.view(-1), low, reference=lambda s, e: remainder._exceptions(kernel, param, s, e)
+    )
+
+
 def _check_remainder(numel: int) -> None:
     g = torch.Generator().manual_seed(1)
     main = torch.randn(numel, generator=g)
@@ -78,12 +86,7 @@ def _check_remainder(numel: int) -> None:
     exceptions = remainder.encode_in_place(reference, param)
     kernel = main.clone()
     low = remainder.stored_view(kernel, torch.int16)
-    index, high = fused.remainder_encode(
-        kernel.view(-1),
-        param.view(-1),
-        low,
-        reference=lambda s, e: remainder._exceptions(kernel, param, s, e),
-    )
+    index, high = _fused_encode(kernel, param, low)
     assert len(exceptions) >= numel // 97
     assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
     assert torch.equal(reference.view(torch.int16)[:numel], kernel.view(torch.int16)[:numel])
@@ -98,12 +101,7 @@ def _check_exception_overflow() -> None:
     param = main.bfloat16()
     kernel = main.clone()
     low = remainder.stored_view(kernel, torch.int16)
-    index, high = fused.remainder_encode(
-        kernel.view(-1),
-        param.view(-1),
-        low,
-        reference=lambda s, e: remainder._exceptions(kernel, param, s, e),
-    )
+    index, high = _fused_encode(kernel, param, low)
     assert len(index) == 3000
     fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
     assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))

@@ -176,13 +176,12 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
     if fused.applies(t):
         fused.quant8_narrow(flat, codes_out, scales, _tables(signed, t.device)[1], sqrt, BLOCK)
-        scales_out.copy_(scales.view(torch.uint8))
-        return
-    for s, e in chunks(flat.numel()):
-        # quantize_chunk reads the whole chunk before its codes are written over it.
-        codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
-        codes_out[s:e].copy_(codes)
-        del codes  # before the next chunk's scratch is allocated
+    else:
+        for s, e in chunks(flat.numel()):
+            # quantize_chunk reads the whole chunk before its codes are written over it.
+            codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
+            codes_out[s:e].copy_(codes)
+            del codes  # before the next chunk's scratch is allocated
     # Bytes [n, n + 4 * blocks) are fp32 elements [n / 4, ...): all read by now.
     scales_out.copy_(scales.view(torch.uint8))
 

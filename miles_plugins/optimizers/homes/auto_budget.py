@@ -170,15 +170,21 @@ def _gpus_on_this_node() -> tuple[int, str]:
         )
 
 
+def _host_room(available: int | None = None, room: int | None = None) -> tuple[int, int | None, int]:
+    """MemAvailable, the room left under the cgroup's limit (None without one) and the
+    smaller of the two, measured where not given."""
+    available = _meminfo_bytes("MemAvailable") if available is None else available
+    room = cgroup_room() if room is None else room
+    return available, room, available if room is None else min(available, room)
+
+
 def host_budget(
     margin_bytes: int, *, available: int | None = None, room: int | None = None, group: bool = False
 ) -> tuple[int, str]:
     """This rank's share of the host memory pinned state may take, and why (for the log).
     Measured before the ranks are counted: with ``group`` that count is a collective,
     so no rank pins its share before every rank has measured."""
-    available = _meminfo_bytes("MemAvailable") if available is None else available
-    room = cgroup_room() if room is None else room
-    usable = available if room is None else min(available, room)
+    available, room, usable = _host_room(available, room)
     ranks, counted = local_ranks(group)
     budget = max(0, usable - margin_bytes) // ranks
     limit = "no cgroup memory limit" if room is None else f"{room / GB:.1f} GB left under the cgroup's limit"
@@ -198,9 +204,7 @@ def check_host_room(nbytes: int, what: str) -> None:
     already lowered MemAvailable, and dividing it again would refuse the last ranks of
     an offload that fits; ranks measuring at the same instant are not counted against
     each other (no collective is safe here)."""
-    available = _meminfo_bytes("MemAvailable")
-    room = cgroup_room()
-    usable = available if room is None else min(available, room)
+    available, room, usable = _host_room()
     if nbytes > usable:
         limit = "" if room is None else f", {room / GB:.2f} GB left under the cgroup's limit"
         raise StreamIOError(
