@@ -31,8 +31,8 @@ def _moments(numel: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     m = torch.randn(numel, generator=g) * torch.exp(torch.randn(numel, generator=g) * 3) * 1e-3
     m[: 2 * quant8.BLOCK] = 0  # all-zero blocks (scale 0)
-    m[5 * quant8.BLOCK + 3] = float("inf")
-    m[9 * quant8.BLOCK + 7] = float("nan")
+    m[5 * quant8.BLOCK + 3 : 5 * quant8.BLOCK + 4] = float("inf")  # where the entry is that long
+    m[9 * quant8.BLOCK + 7 : 9 * quant8.BLOCK + 8] = float("nan")
     return {"exp_avg": m, "exp_avg_sq": m * m}
 
 
@@ -69,7 +69,8 @@ def _mains(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     bits = main.view(torch.int32)
     ties = torch.arange(0, numel, 4099)
     bits[ties] = (bits[ties] & ~0xFFFF) | 0x18000  # exact ties with an odd high half
-    main[11], main[fused.SCRATCH_ELEMENTS + 5] = float("nan"), float("-inf")
+    main[11:12] = float("nan")
+    main[fused.SCRATCH_ELEMENTS + 5 : fused.SCRATCH_ELEMENTS + 6] = float("-inf")  # where the entry is that long
     return main, main.bfloat16()
 
 
@@ -98,3 +99,46 @@ def test_exceptions_past_the_device_slots_fall_back_and_stay_exact(monkeypatch):
     assert len(exceptions) >= 5000
     remainder.decode_in_place(gpu, param.cuda(), exceptions)
     assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))
+
+
+def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes():
+    """``*_many`` as the codec calls them for a bucket: biases and norms packed (two groups
+    here), an entry of partial blocks and the long ones alone; every entry's stored
+    bytes are the CPU reference's, and decode restores every fp32 bit."""
+    sizes = [5120, 15360, 300, 2 * fused.SCRATCH_ELEMENTS + 77] + [fused.PACKED_MAX_ELEMENTS] * 5 + [256]
+    singles, groups = fused.plan_packed([torch.empty(n, device="cuda") for n in sizes], unit=quant8.BLOCK)
+    assert singles == [2, 3] and len(groups) == 2
+    for moment in quant8.MOMENT_FORMATS:
+        signed, sqrt = quant8.MOMENT_FORMATS[moment]
+        xs = [_moments(n)[moment].roll(seed) for seed, n in enumerate(sizes)]
+        cpus, gpus = [x.clone() for x in xs], [x.cuda() for x in xs]
+        quant8.narrow_many(cpus, signed, sqrt)
+        quant8.narrow_many(gpus, signed, sqrt)
+        for cpu, gpu in zip(cpus, gpus, strict=True):
+            stored = quant8.stored_nbytes(cpu.numel())
+            # Codes exact; scales as bytes where not NaN (a NaN block's NaN bits may differ).
+            a, b = cpu.view(torch.uint8)[:stored], gpu.view(torch.uint8)[:stored].cpu()
+            assert torch.equal(a[: cpu.numel()], b[: cpu.numel()]), (moment, cpu.numel())
+            if quant8.quantizes(cpu.numel()):
+                sa, sb = a[cpu.numel() :].clone().view(torch.float32), b[cpu.numel() :].clone().view(torch.float32)
+                nan = torch.isnan(sa)
+                assert torch.equal(nan, torch.isnan(sb)) and torch.equal(sa[~nan], sb[~nan])
+            gpu.view(torch.uint8)[:stored].copy_(a)  # the same stored form on both sides
+        quant8.widen_many(cpus, signed, sqrt)
+        quant8.widen_many(gpus, signed, sqrt)
+        for cpu, gpu in zip(cpus, gpus, strict=True):
+            gpu = gpu.cpu()
+            nan = torch.isnan(cpu)
+            assert torch.equal(nan, torch.isnan(gpu)) and torch.equal(cpu[~nan], gpu[~nan])
+    mains = [_mains(n)[0].roll(k) for k, n in enumerate(sizes)]
+    params = [m.bfloat16() for m in mains]
+    cpus, gpus = [m.clone() for m in mains], [m.cuda() for m in mains]
+    cpu_found = remainder.encode_many(cpus, params)
+    gpu_found = remainder.encode_many(gpus, [p.cuda() for p in params])
+    assert sum(len(e) for e in cpu_found) > 100
+    for cpu, gpu, a, b in zip(cpus, gpus, cpu_found, gpu_found, strict=True):
+        assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
+        assert torch.equal(cpu.view(torch.int16)[: cpu.numel()], gpu.view(torch.int16)[: gpu.numel()].cpu())
+    remainder.decode_many(gpus, [p.cuda() for p in params], gpu_found)
+    for main, gpu in zip(mains, gpus, strict=True):
+        assert torch.equal(main.view(torch.int32), gpu.cpu().view(torch.int32))

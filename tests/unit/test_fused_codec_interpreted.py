@@ -44,7 +44,7 @@ def _check_quant8(numel: int) -> None:
         quant8.narrow_in_place(reference, signed, sqrt)
         codes, scales_bytes = quant8._codes_and_scales(kernel)
         scales = torch.empty(-(-numel // quant8.BLOCK))
-        fused.quant8_narrow(kernel.view(-1), codes, scales, quant8._tables(signed, x.device)[1], sqrt, quant8.BLOCK)
+        fused.quant8_narrow(kernel.view(-1), codes, scales, quant8._search_guide(signed, x.device), sqrt, quant8.BLOCK)
         scales_bytes.copy_(scales.view(torch.uint8))
         stored = quant8.stored_nbytes(numel)
         ref_bytes, kernel_bytes = reference.view(torch.uint8)[:stored], kernel.view(torch.uint8)[:stored]
@@ -70,9 +70,7 @@ def _check_quant8(numel: int) -> None:
 def _fused_encode(kernel: torch.Tensor, param: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused remainder encoder on ``kernel``, with the reference's fallback, as
     ``remainder.encode_in_place`` calls it on CUDA."""
-    return fused.remainder_encode(
-        kernel.view(-1), param.view(-1), low, reference=lambda s, e: remainder._exceptions(kernel, param, s, e)
-    )
+    return fused.remainder_encode(kernel.view(-1), param.view(-1), low, reference=remainder._exceptions)
 
 
 def _check_remainder(numel: int) -> None:
@@ -96,15 +94,89 @@ def _check_remainder(numel: int) -> None:
 
 def _check_exception_overflow() -> None:
     fused._EXCEPTION_SLOTS = 4
-    main = torch.empty(3000)
-    main.view(torch.int32)[:] = 0x7FC01234  # NaN mains, every one an exception
-    param = main.bfloat16()
-    kernel = main.clone()
-    low = remainder.stored_view(kernel, torch.int16)
-    index, high = _fused_encode(kernel, param, low)
-    assert len(index) == 3000
-    fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
-    assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
+    every = torch.empty(3000)
+    every.view(torch.int32)[:] = 0x7FC01234  # NaN mains, every one an exception: every chunk overflows
+    # Chunks [0, 1024), [1024, 2048), [2048, 4096), [4096, 5000): only the third overflows;
+    # the fourth stands down, then runs again after the third's fallback.
+    middle = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    middle[[5, 1500, 4500, 4990]] = float("nan")
+    middle.view(torch.int32)[2100:2120] = 0x7FC05678
+    for main, expected in ((every, 3000), (middle, 24)):
+        param = main.bfloat16()
+        reference, kernel = main.clone(), main.clone()
+        exceptions = remainder.encode_in_place(reference, param)
+        low = remainder.stored_view(kernel, torch.int16)
+        index, high = _fused_encode(kernel, param, low)
+        assert len(index) == expected
+        assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
+        assert torch.equal(reference.view(torch.int16)[: main.numel()], kernel.view(torch.int16)[: main.numel()])
+        fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
+        assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
+
+
+def _guided_codes(v: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The quantize kernel's search (``triton_kernels.quantize``), restated in torch."""
+    midpoints, guide = fused.search_guide(quant8._tables(signed, torch.device("cpu"))[1])
+    bits = v.view(torch.int32)
+    key = (((bits & 0x7FFFFFFF) >> fused.GUIDE_SHIFT) - fused.GUIDE_FIRST).clamp(0, fused.GUIDE_SLICES - 1)
+    below = guide[(key + torch.where(bits < 0, fused.GUIDE_SLICES, 0)).long()].long()
+    code = below + (midpoints[below] < v).long() + (midpoints[below + 1] < v).long()
+    return torch.where(torch.isnan(v), 255, code)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_search_guide_counts_what_bucketize_counts(signed):
+    """Every midpoint, its float neighbours, the map's values, +-0, +-inf, NaN, subnormals
+    and a million quotients across the decades: the guide and two comparisons give
+    ``torch.bucketize``'s code (the reference's), so the kernel needs no binary search."""
+    values, midpoints = quant8._tables(signed, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    spread = torch.rand(1_000_000, generator=g) * 10 ** (-12 * torch.rand(1_000_000, generator=g))
+    edges = torch.cat([midpoints, values, torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 2.0**-30, 1.5])])
+    edges = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+    v = torch.cat([edges, spread])
+    v = torch.cat([v, -v])
+    assert torch.equal(_guided_codes(v, signed), torch.bucketize(v, midpoints))
+
+
+def _check_packed() -> None:
+    """Entries converted packed (``fused.*_packed``, as ``quant8.narrow_many`` and
+    ``remainder.encode_many`` call them on CUDA) store each entry's own reference bytes."""
+    sizes = [256, 5 * 256, 3 * 256]  # whole blocks, as plan_packed groups them
+    for name in quant8.MOMENT_FORMATS:
+        signed, sqrt = quant8.MOMENT_FORMATS[name]
+        xs = [_moment(n, seed) for seed, n in enumerate(sizes)]
+        xs[1][300] = float("nan")  # a NaN block in the middle entry only
+        xs = [x.abs() if sqrt else x for x in xs]
+        references, kernels = [x.clone() for x in xs], [x.clone() for x in xs]
+        for r in references:
+            quant8.narrow_in_place(r, signed, sqrt)
+        stored = [quant8._stored(k) for k in kernels]
+        fused.quant8_narrow_packed(kernels, stored, quant8._search_guide(signed, xs[0].device), sqrt, quant8.BLOCK)
+        for r, out in zip(references, stored, strict=True):
+            assert torch.equal(quant8._stored(r), out), name
+        fused.quant8_widen_packed(kernels, stored, quant8._tables(signed, xs[0].device)[0], sqrt, quant8.BLOCK)
+        for r, k in zip(references, kernels, strict=True):
+            quant8.widen_in_place(r, signed, sqrt)
+            assert torch.equal(r.view(torch.int32), k.view(torch.int32)), name
+    for slots in (1 << 16, 4):  # 4: the group overflows them, the reference finds its exceptions
+        fused._EXCEPTION_SLOTS = slots
+        mains = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (7, 1000, 333)]
+        for main in mains:
+            main.view(torch.int32)[::5] = (main.view(torch.int32)[::5] & ~0xFFFF) | 0x18000  # ties
+        mains[1][[3, 999]] = float("nan")
+        params = [m.bfloat16() for m in mains]
+        references, kernels = [m.clone() for m in mains], [m.clone() for m in mains]
+        expected = [remainder.encode_in_place(r, p) for r, p in zip(references, params, strict=True)]
+        lows = [remainder.stored_view(k, torch.int16) for k in kernels]
+        found = fused.remainder_encode_packed(kernels, params, lows, reference=remainder._exceptions)
+        for r, low, e, (index, high) in zip(references, lows, expected, found, strict=True):
+            assert torch.equal(remainder.stored_view(r, torch.int16), low)
+            assert torch.equal(e.index, index) and torch.equal(e.high, high)
+        fused.remainder_decode_packed(kernels, params, lows, found)
+        for main, k in zip(mains, kernels, strict=True):
+            assert torch.equal(main.view(torch.int32), k.view(torch.int32))
+    fused._EXCEPTION_SLOTS = 1 << 16
 
 
 def test_kernels_that_do_not_build_leave_the_reference_with_a_warning(monkeypatch, caplog):
@@ -151,4 +223,5 @@ if __name__ == "__main__":
         _check_quant8(numel)
         _check_remainder(numel)
     _check_exception_overflow()
+    _check_packed()
     print("ok")

@@ -9,8 +9,10 @@ Exactness: every operation is the reference's IEEE one. ``tl.div_rn`` and ``tl.s
 round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate), and subnormal
 operands are first scaled by powers of two (exact), since Triton builds before
 triton-lang/triton#8557 flush them to zero in those two; the code of a
-value is the count of map midpoints ``m`` with ``not (m >= v)`` (a binary search),
-which is what ``torch.bucketize`` returns on CPU and CUDA, a NaN included (code 255);
+value is the count of map midpoints ``m`` with ``not (m >= v)``, which is what
+``torch.bucketize`` returns on CPU and CUDA, a NaN included (code 255): a table
+(:func:`search_guide`) gives that count at the start of ``v``'s slice of floats, and
+two comparisons finish it;
 a block's scale is ``torch.maximum(amax, -amin).abs()``, NaN when the block holds
 one (the NaN's bits may differ: either decodes the whole block to NaN). The GPU tier
 compares the bytes with the CPU reference, and so does a self-test on crafted values
@@ -24,6 +26,10 @@ overlap when ``w * e <= 4 * s``, so one launch may read the chunk and write its 
 directly. Chunks therefore grow geometrically (``[s, 4s / w)``): an entry of ``n``
 elements takes ``log(n / SCRATCH_ELEMENTS)`` launches, and only the first chunk,
 which overlaps itself, goes through a scratch of ``SCRATCH_ELEMENTS`` codes.
+
+Small entries (biases, norms) cost host time per operation, not device time per
+byte: a bucket's are converted packed (``plan_packed``), out of place in one buffer
+per group, with a handful of operations per group.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from types import ModuleType
 
 import torch
 
-from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +51,21 @@ logger = logging.getLogger(__name__)
 # scratch of this many codes: at most 4 bytes each (16 MiB), within the conversion
 # scratch the store states (``store.CONVERSION_SCRATCH_BYTES``).
 SCRATCH_ELEMENTS = CHUNK_ELEMENTS
-# Blocks of 256 elements per Triton program (quant8), elements per program (remainder).
-_ROWS = 4
+# Blocks of 256 elements per Triton program (quant8), elements per program (remainder),
+# warps per program (all kernels).
+_ROWS = 16
 _SPAN = 4096
-# Remainder exceptions collected per launch on the device; past it (a chunk full of
-# NaN mains, say) that chunk's exceptions are found by the reference path instead.
+_WARPS = 4
+# Remainder exceptions collected on the device per run of chunks; past it (a chunk full
+# of NaN mains, say) that chunk's exceptions are found by the reference path instead.
 _EXCEPTION_SLOTS = 1 << 16
+# Entries of at most this many elements (biases, norms: two thirds of a GPT's entries)
+# are converted packed, a group at a time (``plan_packed``): their conversion costs
+# host time per operation, not device time per byte.
+PACKED_MAX_ELEMENTS = SCRATCH_ELEMENTS // 4
+# Chunks of one remainder run (the encoder's exception counts per chunk): 4M elements,
+# then doubling to _MAX_CHUNK, then _MAX_CHUNK each; far past any entry Megatron builds.
+_MAX_RUN_CHUNKS = 32
 # The longest chunk of one launch: element offsets inside a kernel are 32-bit.
 _MAX_CHUNK = 1 << 30
 # Chunk boundaries are sums of these: a quant8 block (256 elements) never straddles two.
@@ -116,7 +131,7 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
         quant8.narrow_in_place(expected, signed, sqrt)
         codes, scale_bytes = quant8._codes_and_scales(t)
         scales = torch.empty(-(-t.numel() // block), device=device)
-        quant8_narrow(t.view(-1), codes, scales, quant8._tables(signed, device)[1], sqrt, block, module)
+        quant8_narrow(t.view(-1), codes, scales, quant8._search_guide(signed, device), sqrt, block, module)
         scale_bytes.copy_(scales.view(torch.uint8))
         _same(name + " codes", expected.view(torch.uint8)[: t.numel()], codes.cpu())
         _same(
@@ -137,8 +152,7 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
         exceptions = remainder.encode_in_place(expected, param)
         t, p = main.to(device, copy=True), param.to(device, copy=True)
         low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
-        fallback = functools.partial(remainder._exceptions, t.view(-1), p.view(-1))  # slots overflowed
-        index, high = remainder_encode(t.view(-1), p.view(-1), low, fallback, module)
+        index, high = remainder_encode(t.view(-1), p.view(-1), low, remainder._exceptions, module)
         _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
         found = torch.cat([index, high.long()])
         _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
@@ -168,15 +182,46 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The search guide's slices of float values: a float's bits shifted right by 17 (sign
+# dropped: 8 exponent bits and the top 6 of the mantissa) name its slice, from 2^-30
+# (and everything below) to 2.0 (and everything above; a block's quotient is at most 1).
+GUIDE_SHIFT = 17
+GUIDE_FIRST = (127 - 30) << 6
+GUIDE_SLICES = (128 << 6) - GUIDE_FIRST + 1
+
+
+def search_guide(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize kernel's tables for a map's ascending fp32 ``midpoints`` (on the CPU):
+    the midpoints with two +inf after them, and the guide: per slice ``[a, b)`` of
+    absolute values (see ``GUIDE_FIRST``), the count of midpoints below ``a`` (for
+    ``v >= +0``), then per slice the count of midpoints ``<= -b`` (for ``v`` in
+    ``(-b, -a]``, -0 included). Within a slice lie at most two midpoints (asserted:
+    six mantissa bits resolve both maps' densest decade), so the count below ``v`` is
+    the guide's plus two comparisons, exactly what ``torch.bucketize`` counts."""
+    keys = torch.arange(GUIDE_FIRST, GUIDE_FIRST + GUIDE_SLICES + 1, dtype=torch.int32)
+    bounds = (keys << GUIDE_SHIFT).view(torch.float32)
+    low, high = bounds[:-1].clone(), bounds[1:].clone()
+    low[0], high[-1] = 0.0, float("inf")
+    positive = torch.bucketize(low, midpoints)
+    negative = torch.bucketize(-high, midpoints, right=True)
+    within = torch.maximum(
+        torch.bucketize(high, midpoints) - positive, torch.bucketize(-low, midpoints, right=True) - negative
+    )
+    assert int(within.max()) <= 2, "a slice of the search guide holds more than two midpoints"
+    padded = torch.cat([midpoints, torch.full((2,), float("inf"))])
+    return padded, torch.cat([positive, negative]).to(torch.int32)
+
+
 def _on_the_tensors_device(convert: Callable) -> Callable:
-    """Run ``convert(flat, ...)`` with ``flat``'s device current: Triton launches on the
-    current device's current stream, where torch's own ops run under the tensor's device;
-    so the launches order with the stream the store queued its work on, whichever
-    device is current."""
+    """Run ``convert(flat, ...)`` with ``flat``'s device current (``flat`` a tensor, or a
+    list of tensors on one device): Triton launches on the current device's current
+    stream, where torch's own ops run under the tensor's device; so the launches order
+    with the stream the store queued its work on, whichever device is current."""
 
     @functools.wraps(convert)
-    def on_device(flat: torch.Tensor, *args, **kwargs):
-        with torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
+    def on_device(flat, *args, **kwargs):
+        device = (flat if isinstance(flat, torch.Tensor) else flat[0]).device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return convert(flat, *args, **kwargs)
 
     return on_device
@@ -193,8 +238,88 @@ def geometric_chunks(n: int, widen: int) -> Iterator[tuple[int, int]]:
         s = e
 
 
-def _blocks_grid(n: int, block: int) -> tuple[int]:
-    return (_cdiv(_cdiv(n, block), _ROWS),)
+def plan_packed(tensors: list[torch.Tensor], unit: int = 1) -> tuple[list[int], list[list[int]]]:
+    """Which of ``tensors`` (one kind of conversion) to convert one by one, and which
+    packed: groups of consecutive small ones (at most ``PACKED_MAX_ELEMENTS`` elements,
+    a multiple of ``unit``: whole 8-bit blocks), ``SCRATCH_ELEMENTS`` at most per group,
+    where the fused kernels serve. Indices into ``tensors``."""
+    singles: list[int] = []
+    groups: list[list[int]] = []
+    size = SCRATCH_ELEMENTS
+    for k, t in enumerate(tensors):
+        n = t.numel()
+        if not (0 < n <= PACKED_MAX_ELEMENTS and n % unit == 0 and applies(t)):
+            singles.append(k)
+            continue
+        if size + n > SCRATCH_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return singles, groups
+
+
+def _quantize(module, x, codes, scales, guide, n: int, sqrt: bool, block: int) -> None:
+    midpoints, slices = guide
+    module.quantize[(_cdiv(_cdiv(n, block), _ROWS),)](
+        x,
+        codes,
+        scales,
+        midpoints,
+        slices,
+        n,
+        SQRT=sqrt,
+        BLOCK=block,
+        ROWS=_ROWS,
+        num_warps=_WARPS,
+        GUIDE_FIRST=GUIDE_FIRST,
+        GUIDE_SLICES=GUIDE_SLICES,
+    )
+
+
+def _dequantize(module, codes, scales, values, out, n: int, sqrt: bool, block: int) -> None:
+    module.dequantize[(_cdiv(_cdiv(n, block), _ROWS),)](
+        codes, scales, values, out, n, SQUARE=sqrt, BLOCK=block, ROWS=_ROWS, num_warps=_WARPS
+    )
+
+
+def _remainder_encode(module, bits, param, low, counts, chunk: int, index, high, n: int, base: int) -> None:
+    module.remainder_encode[(_cdiv(n, _SPAN),)](
+        bits,
+        param,
+        low,
+        counts,
+        chunk,
+        index,
+        high,
+        n,
+        base,
+        SLOTS=_EXCEPTION_SLOTS,
+        SPAN=_SPAN,
+        CHUNKS=_MAX_RUN_CHUNKS,
+        num_warps=_WARPS,
+    )
+
+
+def _remainder_decode(module, low, param, bits, n: int) -> None:
+    module.remainder_decode[(_cdiv(n, _SPAN),)](low, param, bits, n, SPAN=_SPAN, num_warps=_WARPS)
+
+
+def _exception_slots(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-chunk exception counts, and the slots for their indices and high halves."""
+    return (
+        torch.zeros(_MAX_RUN_CHUNKS, dtype=torch.int32, device=device),
+        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device),
+        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device),
+    )
+
+
+def _sorted_on_host(index: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(index)
+    return index[order].cpu(), high[order].cpu()
+
+
+# ---- one entry, in place ------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -203,22 +328,21 @@ def quant8_narrow(
     flat: torch.Tensor,
     codes_out: torch.Tensor,
     scales: torch.Tensor,
-    midpoints: torch.Tensor,
+    guide: tuple[torch.Tensor, torch.Tensor],
     sqrt: bool,
     block: int,
     module: ModuleType | None = None,
 ) -> None:
-    """Codes of the fp32 ``flat`` on the map whose ``midpoints`` are given into
-    ``codes_out`` (the first bytes of its own storage), its block scales into ``scales``
-    (a separate tensor). ``module``: the kernels (``kernels(flat.device)`` when not given)."""
+    """Codes of the fp32 ``flat`` on the map whose :func:`search_guide` is ``guide`` (on
+    ``flat``'s device) into ``codes_out`` (the first bytes of its own storage), its block
+    scales into ``scales`` (a separate tensor). ``module``: the kernels
+    (``kernels(flat.device)`` when not given)."""
     module = module or kernels(flat.device)
     scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.uint8, device=flat.device)
     for s, e in geometric_chunks(flat.numel(), widen=4):
         # The first chunk's codes would land on its own unread elements: via the scratch.
         target = scratch if s == 0 else codes_out[s:e]
-        module.quantize[_blocks_grid(e - s, block)](
-            flat[s:e], target, scales[s // block :], midpoints, e - s, SQRT=sqrt, BLOCK=block, ROWS=_ROWS
-        )
+        _quantize(module, flat[s:e], target, scales[s // block :], guide, e - s, sqrt, block)
         if s == 0:
             codes_out[:e].copy_(scratch[:e])
 
@@ -240,9 +364,7 @@ def quant8_widen(
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=4))):
         # The first chunk's fp32 values land on its own codes: read them out first.
         source = codes_in[s:e].clone() if s == 0 else codes_in[s:e]
-        module.dequantize[_blocks_grid(e - s, block)](
-            source, scales[s // block :], values, flat[s:e], e - s, SQUARE=sqrt, BLOCK=block, ROWS=_ROWS
-        )
+        _dequantize(module, source, scales[s // block :], values, flat[s:e], e - s, sqrt, block)
 
 
 @torch.no_grad()
@@ -252,39 +374,44 @@ def remainder_encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Low 16 bits of the fp32 ``flat`` into ``low_out`` (the first half of its storage);
     returns the exceptions (flat indices ascending, true high bits) on the CPU.
-    ``reference(s, e)`` finds a chunk's exceptions the slow way, from its still unwritten
-    fp32 elements, when they overflow the device's slots."""
+    ``reference(flat, param, s, e)`` finds the exceptions of elements ``[s, e)`` the slow
+    way, from their still unwritten fp32 values, when they overflow the device's slots.
+
+    One host read per entry, not per chunk: the chunks are launched as one run, each
+    standing down once the earlier ones overflowed the slots (the kernel checks), so the
+    overflowing chunk's fp32 elements, which the next chunk's low bits would land on,
+    are still there for ``reference``; the run then resumes after it. The first chunk's
+    low bits wait in the scratch until that read (their place is its own fp32 bytes)."""
     module = module or kernels(flat.device)
-    bits, param = flat.view(torch.int32), param.view(torch.int16)
-    device = flat.device
-    scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.int16, device=device)
-    slot = torch.zeros(1, dtype=torch.int32, device=device)
-    index = torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device)
-    high = torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device)
-    indices, highs = [], []
-    for s, e in geometric_chunks(flat.numel(), widen=2):
-        target = scratch if s == 0 else low_out[s:e]
-        slot.zero_()
-        grid = (_cdiv(e - s, _SPAN),)
-        module.remainder_encode[grid](
-            bits[s:e], param[s:e], target, slot, index, high, e - s, s, SLOTS=_EXCEPTION_SLOTS, SPAN=_SPAN
-        )
-        # One host read per chunk (log n per entry): this chunk's fp32 bytes are still
-        # unwritten (the next chunk's lows land on them), so an overflow can fall back.
-        found = int(slot.item())
-        if found > _EXCEPTION_SLOTS:
-            chunk_index, chunk_high = reference(s, e)
-            indices.append(chunk_index)
-            highs.append(chunk_high)
-        elif found:
-            order = torch.argsort(index[:found])
-            indices.append(index[:found][order].cpu())
-            highs.append(high[:found][order].cpu())
-        if s == 0:
-            low_out[:e].copy_(scratch[:e])
-    if not indices:
+    bits, param16 = flat.view(torch.int32), param.view(torch.int16)
+    spans = list(geometric_chunks(flat.numel(), widen=2))
+    if not spans:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
-    return torch.cat(indices), torch.cat(highs)
+    scratch = torch.empty(spans[0][1], dtype=torch.int16, device=flat.device)
+    counts, index, high = _exception_slots(flat.device)
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = 0
+    while first < len(spans):
+        run = spans[first : first + _MAX_RUN_CHUNKS]
+        counts.zero_()
+        for chunk, (s, e) in enumerate(run):
+            target = scratch if s == 0 else low_out[s:e]
+            _remainder_encode(module, bits[s:e], param16[s:e], target, counts, chunk, index, high, e - s, s)
+        ran, total = 0, 0
+        for count in counts[: len(run)].tolist():  # the entry's one wait on the device
+            if count < 0 or total + count > _EXCEPTION_SLOTS:
+                break
+            ran, total = ran + 1, total + count
+        if total:
+            found.append(_sorted_on_host(index[:total], high[:total]))
+        if ran < len(run):  # chunk `ran` overflowed (those after it stood down)
+            found.append(reference(flat, param, *run[ran]))
+        if first == 0:  # the first chunk is done either way (found, or by the reference now)
+            low_out[: spans[0][1]].copy_(scratch)
+        first += ran + 1
+    if not found:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
+    return torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
 
 
 @torch.no_grad()
@@ -303,11 +430,122 @@ def remainder_decode(
     bits, param = flat.view(torch.int32), param.view(torch.int16)
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=2))):
         source = low_in[s:e].clone() if s == 0 else low_in[s:e]
-        module.remainder_decode[(_cdiv(e - s, _SPAN),)](source, param[s:e], bits[s:e], e - s, SPAN=_SPAN)
-    # The exceptions' true high halves, a conversion chunk at a time (as the reference):
-    # their device copies stay within the conversion scratch, however many there are.
+        _remainder_decode(module, source, param[s:e], bits[s:e], e - s)
+    _put_exceptions(flat, index, high)
+
+
+def _put_exceptions(flat: torch.Tensor, index: torch.Tensor, high: torch.Tensor) -> None:
+    """The exceptions' true high halves into the fp32 ``flat``, in groups whose device
+    copies stay within the conversion scratch (10 bytes each): usually one group."""
     highs = flat.view(torch.int16).view(-1, 2)[:, 1]
-    for s, e in chunks(flat.numel()) if index.numel() else ():
-        first, last = torch.searchsorted(index, torch.tensor([s, e], device=index.device)).tolist()
-        if last > first:
-            highs[index[first:last].to(flat.device)] = high[first:last].to(flat.device)
+    group = CHUNK_ELEMENTS // 4
+    for s in range(0, index.numel(), group):
+        highs[index[s : s + group].to(flat.device)] = high[s : s + group].to(flat.device)
+
+
+# ---- small entries, packed ------------------------------------------------------------
+# Each entry of a group is copied into one packed buffer (one torch.cat), converted there
+# out of place by one launch, and copied back (one torch._foreach_copy_, torch's own
+# multi-tensor copy): a handful of operations per group instead of per entry. Its
+# stored bytes are those of the entry converted alone: blocks start at every entry's
+# first element (callers pack only entries of whole 8-bit blocks), low bits are per
+# element. The fp32 values are all read (the cat) before any stored byte is written.
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def quant8_narrow_packed(
+    flats: list[torch.Tensor],
+    stored: list[torch.Tensor],
+    guide: tuple[torch.Tensor, torch.Tensor],
+    sqrt: bool,
+    block: int,
+    module: ModuleType | None = None,
+) -> None:
+    """:func:`quant8_narrow` of each fp32 ``flats[k]`` (whole blocks, one group of
+    :func:`plan_packed`) into ``stored[k]``, the uint8 view of its stored form (codes,
+    then scale bytes) at the start of its storage."""
+    module = module or kernels(flats[0].device)
+    x = torch.cat(flats)
+    codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.numel() // block, dtype=torch.float32, device=x.device)
+    _quantize(module, x, codes, scales, guide, x.numel(), sqrt, block)
+    sources, start = [], 0
+    for t in flats:
+        end = start + t.numel()
+        sources += [codes[start:end], scales[start // block : end // block].view(torch.uint8)]
+        start = end
+    targets = [part for t, out in zip(flats, stored, strict=True) for part in (out[: t.numel()], out[t.numel() :])]
+    torch._foreach_copy_(targets, sources)
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def quant8_widen_packed(
+    flats: list[torch.Tensor],
+    stored: list[torch.Tensor],
+    values: torch.Tensor,
+    sqrt: bool,
+    block: int,
+    module: ModuleType | None = None,
+) -> None:
+    """:func:`quant8_widen` of each ``stored[k]`` (as :func:`quant8_narrow_packed` left
+    it) into the fp32 ``flats[k]``."""
+    module = module or kernels(flats[0].device)
+    codes = torch.cat([out[: t.numel()] for t, out in zip(flats, stored, strict=True)])
+    scales = torch.cat([out[t.numel() :] for t, out in zip(flats, stored, strict=True)]).view(torch.float32)
+    x = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+    _dequantize(module, codes, scales, values, x, x.numel(), sqrt, block)
+    torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def remainder_encode_packed(
+    flats: list[torch.Tensor],
+    params: list[torch.Tensor],
+    lows: list[torch.Tensor],
+    reference,
+    module: ModuleType | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`remainder_encode` of each fp32 ``flats[k]`` (one group of
+    :func:`plan_packed`) into ``lows[k]``; per entry its exceptions on the CPU. One host
+    read for the group; past the slots, ``reference`` finds them in the packed copy."""
+    module = module or kernels(flats[0].device)
+    x, p = torch.cat(flats), torch.cat(params)
+    low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
+    counts, index, high = _exception_slots(x.device)
+    _remainder_encode(module, x.view(torch.int32), p.view(torch.int16), low, counts, 0, index, high, x.numel(), 0)
+    total = int(counts[0])  # the group's one wait on the device
+    if total > _EXCEPTION_SLOTS:
+        found = reference(x, p, 0, x.numel())
+    else:
+        found = _sorted_on_host(index[:total], high[:total])
+    torch._foreach_copy_(lows, list(low.split([t.numel() for t in flats])))
+    starts = torch.tensor([0] + [t.numel() for t in flats]).cumsum(0)
+    bounds = torch.searchsorted(found[0], starts).tolist()
+    return [(found[0][a:b] - s, found[1][a:b]) for a, b, s in zip(bounds, bounds[1:], starts.tolist(), strict=False)]
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def remainder_decode_packed(
+    flats: list[torch.Tensor],
+    params: list[torch.Tensor],
+    lows: list[torch.Tensor],
+    exceptions: list[tuple[torch.Tensor, torch.Tensor]],
+    module: ModuleType | None = None,
+) -> None:
+    """:func:`remainder_decode` of each ``lows[k]`` (as :func:`remainder_encode_packed`
+    left them, with its exceptions) into the fp32 ``flats[k]``."""
+    module = module or kernels(flats[0].device)
+    low, p = torch.cat(lows), torch.cat(params)
+    x = torch.empty(low.numel(), dtype=torch.float32, device=low.device)
+    _remainder_decode(module, low, p.view(torch.int16), x.view(torch.int32), x.numel())
+    if any(index.numel() for index, _ in exceptions):
+        starts = [0]
+        for t in flats[:-1]:
+            starts.append(starts[-1] + t.numel())
+        index = torch.cat([i + s for (i, _), s in zip(exceptions, starts, strict=True)])
+        _put_exceptions(x, index, torch.cat([h for _, h in exceptions]))
+    torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))

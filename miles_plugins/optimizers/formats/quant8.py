@@ -101,6 +101,12 @@ def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return values, (values[:-1] + values[1:]) / 2
 
 
+@functools.lru_cache(maxsize=8)
+def _search_guide(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused quantizer's tables for the map (``fused.search_guide``), on ``device``."""
+    return tuple(t.to(device) for t in fused.search_guide(_tables(signed, torch.device("cpu"))[1]))
+
+
 def quantizes(numel: int) -> bool:
     """Whether an entry of ``numel`` elements is stored in 8 bits (else as fp32)."""
     return numel >= BLOCK
@@ -175,7 +181,7 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     codes_out, scales_out = _codes_and_scales(t)
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
     if fused.applies(t):
-        fused.quant8_narrow(flat, codes_out, scales, _tables(signed, t.device)[1], sqrt, BLOCK)
+        fused.quant8_narrow(flat, codes_out, scales, _search_guide(signed, t.device), sqrt, BLOCK)
     else:
         for s, e in chunks(flat.numel()):
             # quantize_chunk reads the whole chunk before its codes are written over it.
@@ -203,3 +209,39 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
         dequantize_chunk(codes_in[s:e], scales[s // BLOCK : -(-e // BLOCK)], signed, out=flat[s:e])
         if sqrt:
             flat[s:e].square_()
+
+
+def narrow_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
+    """:func:`narrow_in_place` of every tensor, the small ones packed a group at a time
+    where the fused kernels serve (``fused.plan_packed``; the same bytes)."""
+    singles, groups = fused.plan_packed(tensors, unit=BLOCK)
+    for k in singles:
+        narrow_in_place(tensors[k], signed, sqrt)
+    for group in groups:
+        fused.quant8_narrow_packed(
+            [tensors[k].view(-1) for k in group],
+            [_stored(tensors[k]) for k in group],
+            _search_guide(signed, tensors[group[0]].device),
+            sqrt,
+            BLOCK,
+        )
+
+
+def widen_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
+    """:func:`widen_in_place` of every tensor, the small ones packed as :func:`narrow_many`."""
+    singles, groups = fused.plan_packed(tensors, unit=BLOCK)
+    for k in singles:
+        widen_in_place(tensors[k], signed, sqrt)
+    for group in groups:
+        fused.quant8_widen_packed(
+            [tensors[k].view(-1) for k in group],
+            [_stored(tensors[k]) for k in group],
+            _tables(signed, tensors[group[0]].device)[0],
+            sqrt,
+            BLOCK,
+        )
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The uint8 view of ``t``'s stored form: codes, then scale bytes."""
+    return t.view(-1).view(torch.uint8)[: stored_nbytes(t.numel())]

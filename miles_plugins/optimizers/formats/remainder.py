@@ -93,7 +93,7 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     ``main``'s fp32 values are gone afterwards."""
     flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
     if fused.applies(main):
-        index, high = fused.remainder_encode(flat, param, out, reference=lambda s, e: _exceptions(flat, param, s, e))
+        index, high = fused.remainder_encode(flat, param, out, reference=_exceptions)
         return Exceptions(index, high) if index.numel() else Exceptions.none()
     indices, highs = [], []
     for s, e in chunks(main.numel()):
@@ -125,3 +125,36 @@ def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Excepti
         out_low, out_high = _halves(flat[s:e])
         out_low.copy_(low)
         out_high.copy_(high)
+
+
+def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[Exceptions]:
+    """:func:`encode_in_place` of every main (beside its param), the small ones packed a
+    group at a time where the fused kernels serve (``fused.plan_packed``)."""
+    found = [Exceptions.none()] * len(mains)
+    singles, groups = fused.plan_packed(mains)
+    for k in singles:
+        found[k] = encode_in_place(mains[k], params[k])
+    for group in groups:
+        pairs = fused.remainder_encode_packed(
+            [mains[k].view(-1) for k in group],
+            [params[k].view(-1) for k in group],
+            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
+            reference=_exceptions,
+        )
+        for k, (index, high) in zip(group, pairs, strict=True):
+            found[k] = Exceptions(index, high) if index.numel() else Exceptions.none()
+    return found
+
+
+def decode_many(mains: list[torch.Tensor], params: list[torch.Tensor], exceptions: list[Exceptions]) -> None:
+    """:func:`decode_in_place` of every main, the small ones packed as :func:`encode_many`."""
+    singles, groups = fused.plan_packed(mains)
+    for k in singles:
+        decode_in_place(mains[k], params[k], exceptions[k])
+    for group in groups:
+        fused.remainder_decode_packed(
+            [mains[k].view(-1) for k in group],
+            [params[k].view(-1) for k in group],
+            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
+            [(exceptions[k].index, exceptions[k].high) for k in group],
+        )

@@ -11,7 +11,19 @@ _TWO_MINUS_64 = tl.constexpr(5.421010862427522e-20)
 
 
 @triton.jit
-def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def quantize(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    mids_ptr,
+    guide_ptr,
+    n,
+    SQRT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    GUIDE_FIRST: tl.constexpr,
+    GUIDE_SLICES: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = offs < n
@@ -37,10 +49,13 @@ def quantize(x_ptr, codes_ptr, scales_ptr, mids_ptr, n, SQRT: tl.constexpr, BLOC
     tiny = divisor < _TWO_MINUS_64
     numerator = tl.where(tiny[:, None], x * _TWO_64, x)
     v = tl.div_rn(numerator, tl.where(tiny, divisor * _TWO_64, divisor)[:, None])
-    code = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
-    for level in tl.static_range(8):  # binary search over the 255 midpoints
-        mid = tl.load(mids_ptr + code + ((128 >> level) - 1))
-        code = tl.where(mid >= v, code, code + (128 >> level))
+    # The code is the count of midpoints below v. The guide (see fused.search_guide) gives
+    # that count at the start of v's slice of float values, past at most two midpoints.
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.minimum(tl.maximum(((bits & 0x7FFFFFFF) >> 17) - GUIDE_FIRST, 0), GUIDE_SLICES - 1)
+    below = tl.load(guide_ptr + key + tl.where(bits < 0, GUIDE_SLICES, 0))
+    code = below + (tl.load(mids_ptr + below) < v).to(tl.int32) + (tl.load(mids_ptr + below + 1) < v).to(tl.int32)
+    code = tl.where(v != v, 255, code)  # bucketize's rule: NaN after every midpoint
     tl.store(codes_ptr + offs, code.to(tl.uint8), mask=inside)
 
 
@@ -61,10 +76,29 @@ def dequantize(
 
 @triton.jit
 def remainder_encode(
-    bits_ptr, param_ptr, low_ptr, slot_ptr, index_ptr, high_ptr, n, base, SLOTS: tl.constexpr, SPAN: tl.constexpr
+    bits_ptr,
+    param_ptr,
+    low_ptr,
+    counts_ptr,
+    chunk,
+    index_ptr,
+    high_ptr,
+    n,
+    base,
+    SLOTS: tl.constexpr,
+    SPAN: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
+    # counts[k]: the exceptions chunk k of this run found, -1 where it stood down. A chunk
+    # runs only while the earlier ones fit the slots: the chunk after an overflowing one
+    # would write its low bits over that chunk's fp32 elements, which the host's fallback
+    # has yet to read. Standing down, it leaves its own elements unread too.
+    earlier = tl.load(counts_ptr + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunk, other=0)
+    before = tl.sum(earlier, axis=0)
+    stand_down = (tl.min(earlier, axis=0) < 0) | (before > SLOTS)
+    tl.store(counts_ptr + chunk, -1, mask=stand_down)
     offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
-    inside = offs < n
+    inside = offs < tl.where(stand_down, 0, n)  # a chunk that stands down touches nothing
     bits = tl.load(bits_ptr + offs, mask=inside, other=0)
     low = bits.to(tl.int16)  # truncation keeps the low 16 bits
     high = (bits >> 16).to(tl.int16)
@@ -74,8 +108,8 @@ def remainder_encode(
     tl.store(low_ptr + offs, low, mask=inside)
     count = tl.sum(missed.to(tl.int32), axis=0)
     if count > 0:
-        first = tl.atomic_add(slot_ptr, count)
-        slot = first + tl.cumsum(missed.to(tl.int32), axis=0) - 1
+        first = tl.atomic_add(counts_ptr + chunk, count)
+        slot = before + first + tl.cumsum(missed.to(tl.int32), axis=0) - 1
         keep = missed & (slot < SLOTS)
         tl.store(index_ptr + slot, offs.to(tl.int64) + base, mask=keep)
         tl.store(high_ptr + slot, high, mask=keep)

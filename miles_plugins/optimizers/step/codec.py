@@ -11,7 +11,9 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
 
 The stored bytes always live in the first bytes of the fp32 tensor's own
 storage: a read fills them there and :meth:`Codec.decode` widens them in place;
-:meth:`Codec.encode` narrows in place before a write. No full-size temporary.
+:meth:`Codec.encode` narrows in place before a write, a bucket's entries at once
+(on CUDA, small entries are converted packed: see ``fused.plan_packed``). No
+full-size temporary.
 
 The codec owns the remainder exceptions, which are state: they travel with
 checkpoints (:meth:`export` / :meth:`check` / :meth:`restore`).
@@ -26,6 +28,9 @@ import torch
 from miles_plugins.optimizers.formats import quant8, remainder
 from miles_plugins.optimizers.formats.convert import narrow_in_place, widen_in_place
 from miles_plugins.optimizers.formats.layout import BucketLayout, Segment
+
+# What the codec converts: (segment, entry index in the bucket, fp32 tensor, bf16 param).
+Item = tuple[Segment, int, torch.Tensor, torch.Tensor]
 
 
 def stored_bytes(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
@@ -50,25 +55,49 @@ class Codec:
         then decoded after a read)."""
         return segment.blockwise or segment.dtype != tensor.dtype
 
-    def decode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
-        """Turn entry ``k``'s stored form (just read) into fp32, in place."""
-        if self.is_remainder(segment):
-            remainder.decode_in_place(tensor, param, self.exceptions[bucket.index][k])
-        elif segment.blockwise:
-            quant8.widen_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
-        else:
-            widen_in_place(tensor, segment.dtype)
+    def decode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
+        """Turn the stored forms (just read) of ``items`` (entries of ``bucket``) into
+        fp32, in place."""
+        for kind, group in self._by_conversion(items):
+            tensors = [tensor for _, _, tensor, _ in group]
+            if kind == "remainder":
+                found = [self.exceptions[bucket.index][k] for _, k, _, _ in group]
+                remainder.decode_many(tensors, [param for *_, param in group], found)
+            elif kind in quant8.MOMENT_FORMATS:
+                quant8.widen_many(tensors, *quant8.MOMENT_FORMATS[kind])
+            else:
+                for tensor in tensors:
+                    widen_in_place(tensor, kind)
 
-    def encode(self, bucket: BucketLayout, segment: Segment, k: int, tensor: torch.Tensor, param: torch.Tensor) -> None:
-        """Turn entry ``k``'s fp32 tensor into its stored form, in place (its fp32
-        values are gone afterwards). ``param`` must already hold the updated main
-        rounded to bf16 (remainder mains)."""
-        if self.is_remainder(segment):
-            self.exceptions[bucket.index][k] = remainder.encode_in_place(tensor, param)
-        elif segment.blockwise:
-            quant8.narrow_in_place(tensor, *quant8.MOMENT_FORMATS[segment.name])
-        elif self.converts(segment, tensor):
-            narrow_in_place(tensor, segment.dtype)
+    def encode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
+        """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
+        forms, in place (their fp32 values are gone afterwards). Each param must
+        already hold its updated main rounded to bf16 (remainder mains)."""
+        for kind, group in self._by_conversion(items):
+            tensors = [tensor for _, _, tensor, _ in group]
+            if kind == "remainder":
+                found = remainder.encode_many(tensors, [param for *_, param in group])
+                for (_, k, _, _), exceptions in zip(group, found, strict=True):
+                    self.exceptions[bucket.index][k] = exceptions
+            elif kind in quant8.MOMENT_FORMATS:
+                quant8.narrow_many(tensors, *quant8.MOMENT_FORMATS[kind])
+            else:
+                for tensor in tensors:
+                    narrow_in_place(tensor, kind)
+
+    def _by_conversion(self, items: Sequence[Item]) -> list[tuple[object, list[Item]]]:
+        """``items`` whose stored form differs from fp32, grouped by conversion: "remainder",
+        an 8-bit moment's name, or the stored dtype (the group's first item's order)."""
+        groups: dict[object, list[Item]] = {}
+        for item in items:
+            segment, _, tensor, _ = item
+            if self.is_remainder(segment):
+                groups.setdefault("remainder", []).append(item)
+            elif segment.blockwise:
+                groups.setdefault(segment.name, []).append(item)
+            elif self.converts(segment, tensor):
+                groups.setdefault(segment.dtype, []).append(item)
+        return list(groups.items())
 
     # ---- checkpoints -------------------------------------------------------------
 

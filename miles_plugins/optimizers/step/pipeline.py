@@ -248,8 +248,10 @@ class Pipeline:
     def finish_fetch(self, flight: Flight) -> None:
         flight.reads.wait()
         flight.reads = None
-        for name, k, tensor in flight.converts:
-            self.codec.decode(flight.bucket, flight.bucket.segments[name], k, tensor, flight.entries[k].param)
+        segments, entries = flight.bucket.segments, flight.entries
+        self.codec.decode(
+            flight.bucket, [(segments[name], k, tensor, entries[k].param) for name, k, tensor in flight.converts]
+        )
         flight.converts.clear()
 
     def store(self, flight: Flight, stats: StepStats, moments: bool = True) -> None:
@@ -257,13 +259,16 @@ class Pipeline:
         Encoding runs on the device, before the host copy: a same-dtype
         device->host copy is far faster than a converting one. The fp32 values
         are gone afterwards; the bucket is released when retired."""
+        items = [
+            (flight.bucket.segments[name], k, tensor, entry.param)
+            for k, entry in enumerate(flight.entries)
+            for name, tensor in flight.tensors(k, moments)
+        ]
+        self.codec.encode(flight.bucket, items)
         transfers: list[Transfer] = []
-        for k, entry in enumerate(flight.entries):
-            for name, tensor in flight.tensors(k, moments):
-                segment = flight.bucket.segments[name]
-                self.codec.encode(flight.bucket, segment, k, tensor, entry.param)
-                transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
-                stats.bytes_written += segment.entry_nbytes[k]
+        for segment, k, tensor, _ in items:
+            transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
+            stats.bytes_written += segment.entry_nbytes[k]
         # The writer threads copy on their own streams, after the update and the
         # encoding queued on this one.
         flight.writes = self.engine.write(flight.handle, transfers, self._ready_event())
