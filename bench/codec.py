@@ -5,12 +5,17 @@
 For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024;
 24 layers = 7.6B params), one entry each, as the store converts them: the fp32 main
 to remainder low bits and back (beside its bf16 param), both moments to 8-bit codes
-and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). Wall time around device
-synchronizations, once with the reference torch formulations (``quant8.py``,
-``remainder.py``) and once with the fused Triton kernels (``fused.py``), in one
-process; the stored bytes of the largest entry are compared (the GPU tier and the
-kernels' self-test compare every byte, edge cases included). The entries reuse
-one set of buffers: one sample per formulation, after a warm-up.
+and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
+the store's buckets (64M elements, a param never split) and converted bucket by
+bucket, as the step's codec does (``Codec.encode`` / ``decode``: the small entries
+packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
+synchronization per bucket and direction (the remainder encoder waits once per
+entry or packed group besides). Wall time, once with the reference torch formulations
+(``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
+(``fused.py``), in one process; the stored bytes of the largest entry are compared
+(the GPU tier and the kernels' self-test compare every byte, edge cases included).
+The buckets reuse one set of buffers: one sample per formulation, after a warm-up.
+Results before 2026-12-02 synchronized after every entry instead.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment
@@ -27,7 +32,9 @@ import time
 
 import torch
 
+from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
 from miles_plugins.optimizers.formats import fused, quant8, remainder
+from miles_plugins.optimizers.formats.layout import plan_buckets
 
 BYTES_PER_PARAM = 36
 
@@ -53,31 +60,44 @@ def copy_bandwidth(numel: int) -> float:
 
 
 def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor) -> dict:
-    """Encode then decode every entry's main and moments; seconds per direction."""
+    """Encode then decode every entry's main and moments, bucket by bucket as the store's
+    walk does (its buckets' entries, one host wait per bucket and direction); seconds per
+    direction."""
     timings = {"encode": 0.0, "decode": 0.0}
     stored = []
-    for numel in entries:
-        main, m, v = (buffers[k][:numel] for k in ("main", "exp_avg", "exp_avg_sq"))
-        p = param[:numel]
-        p.copy_(main)  # the bf16 param is the main rounded, as after a step
+    for bucket in plan_buckets(entries, [0] * len(entries), DEFAULT_BUCKET_CAP_ELEMENTS):
+        offsets = [0]
+        for i in bucket:
+            offsets.append(offsets[-1] + entries[i])
+        views = [
+            [buffers[k][s:e] for k in ("main", "exp_avg", "exp_avg_sq")] + [param[s:e]]
+            for s, e in zip(offsets, offsets[1:], strict=False)
+        ]
+        for main, _, _, p in views:
+            p.copy_(main)  # the bf16 param is the main rounded, as after a step
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        exceptions = remainder.encode_in_place(main, p)
-        quant8.narrow_in_place(m, *quant8.MOMENT_FORMATS["exp_avg"])
-        quant8.narrow_in_place(v, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        mains, ms, vs, ps = (list(column) for column in zip(*views, strict=True))
+        exceptions = remainder.encode_many(mains, ps)
+        quant8.narrow_many(ms, *quant8.MOMENT_FORMATS["exp_avg"])
+        quant8.narrow_many(vs, *quant8.MOMENT_FORMATS["exp_avg_sq"])
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        if numel == max(entries):
-            stored = [
-                t.view(-1).view(torch.uint8)[:n].clone()
-                for t, n in ((main, 2 * numel), (m, quant8.stored_nbytes(numel)), (v, quant8.stored_nbytes(numel)))
-            ]
-        remainder.decode_in_place(main, p, exceptions)
-        quant8.widen_in_place(m, *quant8.MOMENT_FORMATS["exp_avg"])
-        quant8.widen_in_place(v, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        for main, m, v, _ in views:
+            if main.numel() == max(entries) and not stored:
+                n = main.numel()
+                stored = [
+                    t.view(-1).view(torch.uint8)[:nbytes].clone()
+                    for t, nbytes in ((main, 2 * n), (m, quant8.stored_nbytes(n)), (v, quant8.stored_nbytes(n)))
+                ]
+        t1_decode = time.perf_counter()  # the copy above is not the codec's
+        remainder.decode_many(mains, ps, exceptions)
+        quant8.widen_many(ms, *quant8.MOMENT_FORMATS["exp_avg"])
+        quant8.widen_many(vs, *quant8.MOMENT_FORMATS["exp_avg_sq"])
         torch.cuda.synchronize()
+        t2 = time.perf_counter()
         timings["encode"] += t1 - t0
-        timings["decode"] += time.perf_counter() - t1
+        timings["decode"] += t2 - t1_decode
     return {**timings, "stored": stored}
 
 
@@ -92,7 +112,8 @@ def main() -> None:
     if fused.kernels() is None:
         raise SystemExit("bench.codec: Triton is not installed; the fused kernels cannot run")
     entries = gpt_entries(args.layers, args.hidden)
-    largest = max(entries)
+    buckets = plan_buckets(entries, [0] * len(entries), DEFAULT_BUCKET_CAP_ELEMENTS)
+    largest = max(sum(entries[i] for i in bucket) for bucket in buckets)
     g = torch.Generator(device="cuda").manual_seed(0)
     m = (
         torch.randn(largest, device="cuda", generator=g)
@@ -105,7 +126,13 @@ def main() -> None:
         "exp_avg_sq": m * m,
     }
     bandwidth = copy_bandwidth(1 << 28)
-    report = {"params": sum(entries), "entries": len(entries), "copy_bandwidth_gbs": round(bandwidth / 1e9, 1)}
+    report = {
+        "params": sum(entries),
+        "entries": len(entries),
+        "buckets": len(buckets),
+        "host_waits": "one per bucket and direction (as the store's walk), besides the codec's own",
+        "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
+    }
     bound = sum(entries) * BYTES_PER_PARAM / bandwidth
     report["bound_s"] = round(bound, 4)
     stored = {}
@@ -124,7 +151,8 @@ def main() -> None:
             "x_bound": round(total / bound, 2),
         }
         print(
-            f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s, {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms)",
+            f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s,"
+            f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms)",
             flush=True,
         )
     report["same_stored_bytes"] = all(
