@@ -59,7 +59,10 @@ logger = logging.getLogger(__name__)
 ADAM_TEMPORARY_BYTES_PER_ELEMENT = 4
 # - storage-format conversions work in chunks of CHUNK_ELEMENTS; the remainder
 #   codec's chunk temporaries are the largest, about 12 bytes per element (the
-#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales).
+#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales;
+#   the fused kernels' packed groups of small entries 8). Not counted: a chunk or
+#   packed group whose remainder exceptions overflow the device's slots (NaN mains)
+#   keeps its fp32 values while the reference path finds them, up to about twice this.
 CONVERSION_SCRATCH_BYTES = 12 * CHUNK_ELEMENTS
 
 

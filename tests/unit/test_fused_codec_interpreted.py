@@ -67,12 +67,6 @@ def _check_quant8(numel: int) -> None:
         assert torch.equal(reference.view(torch.int32), widened.view(torch.int32)), (numel, name)
 
 
-def _fused_encode(kernel: torch.Tensor, param: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused remainder encoder on ``kernel``, with the reference's fallback, as
-    ``remainder.encode_in_place`` calls it on CUDA."""
-    return fused.remainder_encode(kernel.view(-1), param.view(-1), low, reference=remainder._exceptions)
-
-
 def _check_remainder(numel: int) -> None:
     g = torch.Generator().manual_seed(1)
     main = torch.randn(numel, generator=g)
@@ -84,7 +78,7 @@ def _check_remainder(numel: int) -> None:
     exceptions = remainder.encode_in_place(reference, param)
     kernel = main.clone()
     low = remainder.stored_view(kernel, torch.int16)
-    index, high = _fused_encode(kernel, param, low)
+    index, high = fused.remainder_encode(kernel, param, low, reference=remainder._exceptions)
     assert len(exceptions) >= numel // 97
     assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
     assert torch.equal(reference.view(torch.int16)[:numel], kernel.view(torch.int16)[:numel])
@@ -106,7 +100,7 @@ def _check_exception_overflow() -> None:
         reference, kernel = main.clone(), main.clone()
         exceptions = remainder.encode_in_place(reference, param)
         low = remainder.stored_view(kernel, torch.int16)
-        index, high = _fused_encode(kernel, param, low)
+        index, high = fused.remainder_encode(kernel, param, low, reference=remainder._exceptions)
         assert len(index) == expected
         assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
         assert torch.equal(reference.view(torch.int16)[: main.numel()], kernel.view(torch.int16)[: main.numel()])
@@ -151,10 +145,10 @@ def _check_packed() -> None:
         references, kernels = [x.clone() for x in xs], [x.clone() for x in xs]
         for r in references:
             quant8.narrow_in_place(r, signed, sqrt)
-        stored = [quant8._stored(k) for k in kernels]
+        stored = [quant8._codes_and_scales(k) for k in kernels]
         fused.quant8_narrow_packed(kernels, stored, quant8._search_guide(signed, xs[0].device), sqrt, quant8.BLOCK)
-        for r, out in zip(references, stored, strict=True):
-            assert torch.equal(quant8._stored(r), out), name
+        for r, (codes, scale_bytes) in zip(references, stored, strict=True):
+            assert torch.equal(torch.cat(quant8._codes_and_scales(r)), torch.cat([codes, scale_bytes])), name
         fused.quant8_widen_packed(kernels, stored, quant8._tables(signed, xs[0].device)[0], sqrt, quant8.BLOCK)
         for r, k in zip(references, kernels, strict=True):
             quant8.widen_in_place(r, signed, sqrt)
@@ -177,6 +171,44 @@ def _check_packed() -> None:
         for main, k in zip(mains, kernels, strict=True):
             assert torch.equal(main.view(torch.int32), k.view(torch.int32))
     fused._EXCEPTION_SLOTS = 1 << 16
+
+
+def _check_buckets_entries_together() -> None:
+    """``*_many`` as the codec calls them for a bucket, the packing forced on (on the CPU
+    it never applies): entries of partial blocks alone, the others packed in two groups;
+    every entry's stored bytes are its reference's, and decode restores every bit."""
+    sizes = [300, 512, 1024, 256, 4096, 512, 256]  # packed: at most 512 each, 1024 a group
+    moments = [_moment(n, n).abs() for n in sizes]
+    mains = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    for main in mains:
+        main.view(torch.int32)[::3] = (main.view(torch.int32)[::3] & ~0xFFFF) | 0x18000  # ties
+    params = [m.bfloat16() for m in mains]
+    expected_moments = [m.clone() for m in moments]
+    quant8.narrow_many(expected_moments, signed=False, sqrt=True)  # the reference: CPU tensors
+    expected_mains = [m.clone() for m in mains]
+    expected_exceptions = remainder.encode_many(expected_mains, params)
+    applies = fused.applies
+    fused.applies = lambda t: True
+    try:
+        assert fused.plan_packed(moments, unit=quant8.BLOCK) == ([0, 2, 4], [[1, 3], [5, 6]])
+        got = [m.clone() for m in moments]
+        quant8.narrow_many(got, signed=False, sqrt=True)
+        for e, g in zip(expected_moments, got, strict=True):
+            assert torch.equal(torch.cat(quant8._codes_and_scales(e)), torch.cat(quant8._codes_and_scales(g)))
+        quant8.widen_many(got, signed=False, sqrt=True)
+        quant8.widen_many(expected_moments, signed=False, sqrt=True)
+        for e, g in zip(expected_moments, got, strict=True):
+            assert torch.equal(e.view(torch.int32), g.view(torch.int32))
+        got = [m.clone() for m in mains]
+        found = remainder.encode_many(got, params)
+        for e, g, a, b in zip(expected_mains, got, expected_exceptions, found, strict=True):
+            assert torch.equal(remainder.stored_view(e, torch.int16), remainder.stored_view(g, torch.int16))
+            assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
+        remainder.decode_many(got, params, found)
+        for main, g in zip(mains, got, strict=True):
+            assert torch.equal(main.view(torch.int32), g.view(torch.int32))
+    finally:
+        fused.applies = applies
 
 
 def test_kernels_that_do_not_build_leave_the_reference_with_a_warning(monkeypatch, caplog):
@@ -217,11 +249,16 @@ def test_interpreted_kernels_store_the_reference_bytes():
 
 if __name__ == "__main__":
     assert fused.kernels() is not None  # built, and its self-test passed
-    fused.SCRATCH_ELEMENTS = SCRATCH
+    fused.SCRATCH_ELEMENTS, fused.PACKED_MAX_ELEMENTS = SCRATCH, SCRATCH // 2
     convert.CHUNK_ELEMENTS = SCRATCH // 2  # the reference, the fallback and decode's exceptions in chunks too
     for numel in (256, 1000, SCRATCH, 5000, 70001):
         _check_quant8(numel)
         _check_remainder(numel)
     _check_exception_overflow()
     _check_packed()
+    _check_buckets_entries_together()
+    # Runs of two chunks: an entry of 8 chunks takes four runs, overflowing or not.
+    fused._MAX_RUN_CHUNKS = 2
+    _check_remainder(70001)
+    _check_exception_overflow()
     print("ok")

@@ -66,6 +66,7 @@ PACKED_MAX_ELEMENTS = SCRATCH_ELEMENTS // 4
 # Chunks of one remainder run (the encoder's exception counts per chunk): 4M elements,
 # then doubling to _MAX_CHUNK, then _MAX_CHUNK each; far past any entry Megatron builds.
 _MAX_RUN_CHUNKS = 32
+assert _MAX_RUN_CHUNKS & (_MAX_RUN_CHUNKS - 1) == 0, "the kernel loads the counts with tl.arange: a power of two"
 # The longest chunk of one launch: element offsets inside a kernel are 32-bit.
 _MAX_CHUNK = 1 << 30
 # Chunk boundaries are sums of these: a quant8 block (256 elements) never straddles two.
@@ -207,7 +208,8 @@ def search_guide(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     within = torch.maximum(
         torch.bucketize(high, midpoints) - positive, torch.bucketize(-low, midpoints, right=True) - negative
     )
-    assert int(within.max()) <= 2, "a slice of the search guide holds more than two midpoints"
+    if int(within.max()) > 2:
+        raise ValueError("a slice of the search guide holds more than two midpoints: the map is too dense for it")
     padded = torch.cat([midpoints, torch.full((2,), float("inf"))])
     return padded, torch.cat([positive, negative]).to(torch.int32)
 
@@ -240,9 +242,9 @@ def geometric_chunks(n: int, widen: int) -> Iterator[tuple[int, int]]:
 
 def plan_packed(tensors: list[torch.Tensor], unit: int = 1) -> tuple[list[int], list[list[int]]]:
     """Which of ``tensors`` (one kind of conversion) to convert one by one, and which
-    packed: groups of consecutive small ones (at most ``PACKED_MAX_ELEMENTS`` elements,
-    a multiple of ``unit``: whole 8-bit blocks), ``SCRATCH_ELEMENTS`` at most per group,
-    where the fused kernels serve. Indices into ``tensors``."""
+    packed: groups of the small ones (at most ``PACKED_MAX_ELEMENTS`` elements, a
+    multiple of ``unit``: whole 8-bit blocks) in their order, ``SCRATCH_ELEMENTS`` at
+    most per group, where the fused kernels serve. Indices into ``tensors``."""
     singles: list[int] = []
     groups: list[list[int]] = []
     size = SCRATCH_ELEMENTS
@@ -272,6 +274,7 @@ def _quantize(module, x, codes, scales, guide, n: int, sqrt: bool, block: int) -
         BLOCK=block,
         ROWS=_ROWS,
         num_warps=_WARPS,
+        GUIDE_SHIFT=GUIDE_SHIFT,
         GUIDE_FIRST=GUIDE_FIRST,
         GUIDE_SLICES=GUIDE_SLICES,
     )
@@ -312,6 +315,14 @@ def _exception_slots(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, 
         torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device),
         torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device),
     )
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each of consecutive pieces of ``sizes`` elements starts."""
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 def _sorted_on_host(index: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,7 +419,7 @@ def remainder_encode(
             found.append(reference(flat, param, *run[ran]))
         if first == 0:  # the first chunk is done either way (found, or by the reference now)
             low_out[: spans[0][1]].copy_(scratch)
-        first += ran + 1
+        first += ran + (ran < len(run))  # past the overflowing chunk, or the whole run
     if not found:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
     return torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
@@ -456,34 +467,32 @@ def _put_exceptions(flat: torch.Tensor, index: torch.Tensor, high: torch.Tensor)
 @_on_the_tensors_device
 def quant8_narrow_packed(
     flats: list[torch.Tensor],
-    stored: list[torch.Tensor],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
     guide: tuple[torch.Tensor, torch.Tensor],
     sqrt: bool,
     block: int,
     module: ModuleType | None = None,
 ) -> None:
     """:func:`quant8_narrow` of each fp32 ``flats[k]`` (whole blocks, one group of
-    :func:`plan_packed`) into ``stored[k]``, the uint8 view of its stored form (codes,
-    then scale bytes) at the start of its storage."""
+    :func:`plan_packed`) into ``stored[k]``: the uint8 views of its codes and its scales'
+    bytes at the start of its storage (``quant8._codes_and_scales``)."""
     module = module or kernels(flats[0].device)
+    if any(t.numel() % block for t in flats):
+        raise ValueError(f"packed 8-bit entries must be whole {block}-element blocks")
     x = torch.cat(flats)
     codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
     scales = torch.empty(x.numel() // block, dtype=torch.float32, device=x.device)
     _quantize(module, x, codes, scales, guide, x.numel(), sqrt, block)
-    sources, start = [], 0
-    for t in flats:
-        end = start + t.numel()
-        sources += [codes[start:end], scales[start // block : end // block].view(torch.uint8)]
-        start = end
-    targets = [part for t, out in zip(flats, stored, strict=True) for part in (out[: t.numel()], out[t.numel() :])]
-    torch._foreach_copy_(targets, sources)
+    sizes = [t.numel() for t in flats]
+    parts = zip(codes.split(sizes), scales.view(torch.uint8).split([4 * n // block for n in sizes]), strict=True)
+    torch._foreach_copy_([v for pair in stored for v in pair], [v for pair in parts for v in pair])
 
 
 @torch.no_grad()
 @_on_the_tensors_device
 def quant8_widen_packed(
     flats: list[torch.Tensor],
-    stored: list[torch.Tensor],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
     values: torch.Tensor,
     sqrt: bool,
     block: int,
@@ -492,8 +501,8 @@ def quant8_widen_packed(
     """:func:`quant8_widen` of each ``stored[k]`` (as :func:`quant8_narrow_packed` left
     it) into the fp32 ``flats[k]``."""
     module = module or kernels(flats[0].device)
-    codes = torch.cat([out[: t.numel()] for t, out in zip(flats, stored, strict=True)])
-    scales = torch.cat([out[t.numel() :] for t, out in zip(flats, stored, strict=True)]).view(torch.float32)
+    codes = torch.cat([c for c, _ in stored])
+    scales = torch.cat([b for _, b in stored]).view(torch.float32)
     x = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
     _dequantize(module, codes, scales, values, x, x.numel(), sqrt, block)
     torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))
@@ -516,15 +525,17 @@ def remainder_encode_packed(
     low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
     counts, index, high = _exception_slots(x.device)
     _remainder_encode(module, x.view(torch.int32), p.view(torch.int16), low, counts, 0, index, high, x.numel(), 0)
+    sizes = [t.numel() for t in flats]
+    torch._foreach_copy_(lows, list(low.split(sizes)))
+    del low  # before a fallback's own scratch
     total = int(counts[0])  # the group's one wait on the device
-    if total > _EXCEPTION_SLOTS:
-        found = reference(x, p, 0, x.numel())
+    if total > _EXCEPTION_SLOTS:  # the packed copy is intact: the reference finds them there
+        index, high = reference(x, p, 0, x.numel())
     else:
-        found = _sorted_on_host(index[:total], high[:total])
-    torch._foreach_copy_(lows, list(low.split([t.numel() for t in flats])))
-    starts = torch.tensor([0] + [t.numel() for t in flats]).cumsum(0)
-    bounds = torch.searchsorted(found[0], starts).tolist()
-    return [(found[0][a:b] - s, found[1][a:b]) for a, b, s in zip(bounds, bounds[1:], starts.tolist(), strict=False)]
+        index, high = _sorted_on_host(index[:total], high[:total])
+    starts = _starts(sizes)
+    bounds = torch.searchsorted(index, torch.tensor(starts + [x.numel()])).tolist()
+    return [(index[a:b] - s, high[a:b]) for a, b, s in zip(bounds, bounds[1:], starts, strict=False)]
 
 
 @torch.no_grad()
@@ -543,9 +554,7 @@ def remainder_decode_packed(
     x = torch.empty(low.numel(), dtype=torch.float32, device=low.device)
     _remainder_decode(module, low, p.view(torch.int16), x.view(torch.int32), x.numel())
     if any(index.numel() for index, _ in exceptions):
-        starts = [0]
-        for t in flats[:-1]:
-            starts.append(starts[-1] + t.numel())
+        starts = _starts([t.numel() for t in flats])
         index = torch.cat([i + s for (i, _), s in zip(exceptions, starts, strict=True)])
         _put_exceptions(x, index, torch.cat([h for _, h in exceptions]))
     torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))

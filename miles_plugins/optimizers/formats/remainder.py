@@ -54,6 +54,11 @@ class Exceptions:
     def none(cls) -> Exceptions:
         return cls(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=STORAGE_DTYPE))
 
+    @classmethod
+    def of(cls, index: torch.Tensor, high: torch.Tensor) -> Exceptions:
+        """Found ones (``none()`` where there are none)."""
+        return cls(index, high) if index.numel() else cls.none()
+
     def __len__(self) -> int:
         return self.index.numel()
 
@@ -93,8 +98,7 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     ``main``'s fp32 values are gone afterwards."""
     flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
     if fused.applies(main):
-        index, high = fused.remainder_encode(flat, param, out, reference=_exceptions)
-        return Exceptions(index, high) if index.numel() else Exceptions.none()
+        return Exceptions.of(*fused.remainder_encode(flat, param, out, reference=_exceptions))
     indices, highs = [], []
     for s, e in chunks(main.numel()):
         index, high, low = _chunk_exceptions(flat, param, s, e)  # the chunk read before writing over it
@@ -141,8 +145,8 @@ def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[E
             [stored_view(mains[k], STORAGE_DTYPE) for k in group],
             reference=_exceptions,
         )
-        for k, (index, high) in zip(group, pairs, strict=True):
-            found[k] = Exceptions(index, high) if index.numel() else Exceptions.none()
+        for k, pair in zip(group, pairs, strict=True):
+            found[k] = Exceptions.of(*pair)
     return found
 
 

@@ -21,6 +21,7 @@ def quantize(
     SQRT: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    GUIDE_SHIFT: tl.constexpr,
     GUIDE_FIRST: tl.constexpr,
     GUIDE_SLICES: tl.constexpr,
 ):
@@ -52,7 +53,7 @@ def quantize(
     # The code is the count of midpoints below v. The guide (see fused.search_guide) gives
     # that count at the start of v's slice of float values, past at most two midpoints.
     bits = v.to(tl.int32, bitcast=True)
-    key = tl.minimum(tl.maximum(((bits & 0x7FFFFFFF) >> 17) - GUIDE_FIRST, 0), GUIDE_SLICES - 1)
+    key = tl.minimum(tl.maximum(((bits & 0x7FFFFFFF) >> GUIDE_SHIFT) - GUIDE_FIRST, 0), GUIDE_SLICES - 1)
     below = tl.load(guide_ptr + key + tl.where(bits < 0, GUIDE_SLICES, 0))
     code = below + (tl.load(mids_ptr + below) < v).to(tl.int32) + (tl.load(mids_ptr + below + 1) < v).to(tl.int32)
     code = tl.where(v != v, 255, code)  # bucketize's rule: NaN after every midpoint
