@@ -196,7 +196,7 @@ def search_guide(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the midpoints with two +inf after them, and the guide: per slice ``[a, b)`` of
     absolute values (see ``GUIDE_FIRST``), the count of midpoints below ``a`` (for
     ``v >= +0``), then per slice the count of midpoints ``<= -b`` (for ``v`` in
-    ``(-b, -a]``, -0 included). Within a slice lie at most two midpoints (asserted:
+    ``(-b, -a]``, -0 included). Within a slice lie at most two midpoints (checked:
     six mantissa bits resolve both maps' densest decade), so the count below ``v`` is
     the guide's plus two comparisons, exactly what ``torch.bucketize`` counts."""
     keys = torch.arange(GUIDE_FIRST, GUIDE_FIRST + GUIDE_SLICES + 1, dtype=torch.int32)

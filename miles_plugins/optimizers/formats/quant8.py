@@ -127,12 +127,12 @@ def _codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sqrt_(t: torch.Tensor) -> None:
-    """``t.sqrt_()`` of the fp32 ``t``, correctly rounded on every device: torch's
-    vectorized CPU square root (SLEEF's, within 0.5001 ulp) rounds about 1 in 150 roots
-    of arbitrary values the other way from CUDA's and the fused kernel's ``sqrt_rn``.
-    The root of an fp32 in float64 rounded to fp32 is the correctly rounded fp32 root
-    (53 >= 2 * 24 + 2 bits), whatever the float64 root's last bit. A slice at a time:
-    8 bytes of scratch per element of the slice."""
+    """``t.sqrt_()`` of the fp32 ``t``, correctly rounded on every device, as CUDA's and
+    the fused kernel's ``sqrt_rn`` are: torch's CPU square root is not always (with
+    torch 2.13 on an x86 host, about 1 in 150 roots of arbitrary values round the other
+    way, whatever its vector width). The root of an fp32 in float64 rounded to fp32 is
+    the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits), whatever the float64 root's
+    last bit. A slice at a time: 8 bytes of scratch per element of the slice."""
     step = CHUNK_ELEMENTS // 8
     for s in range(0, t.numel(), step):
         part = t[s : s + step]
