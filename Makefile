@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments bench-codec
+.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments bench-codec bench-iteration
 
 venv: $(VENV)/.installed
 
@@ -75,6 +75,11 @@ bench-moments: venv
 # The storage codecs, reference and fused, on a whole 7.6B GPT's state (CUDA + Triton).
 bench-codec: venv
 	$(PY) -m bench.codec $(BENCH_ARGS)
+
+# Whole iterations of Megatron-LM's pretrain_gpt.py, every placement and Megatron dev's
+# chunked offload side by side (GPU; MEGATRON_LM_DIR, MEGATRON_DEV_DIR): bench/iteration.py.
+bench-iteration: venv
+	$(PY) -m bench.iteration $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
