@@ -77,9 +77,10 @@ bench-codec: venv
 	$(PY) -m bench.codec $(BENCH_ARGS)
 
 # Whole iterations of Megatron-LM's pretrain_gpt.py, every placement and Megatron dev's
-# chunked offload side by side (GPU; MEGATRON_LM_DIR, MEGATRON_DEV_DIR): bench/iteration.py.
-bench-iteration: venv
-	$(PY) -m bench.iteration $(BENCH_ARGS)
+# chunked offload side by side (bench/iteration.py): on the GPU machine, with its own torch
+# (no venv) and megatron-core importable, as test-gpu; MEGATRON_LM_DIR, MEGATRON_DEV_DIR.
+bench-iteration:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m bench.iteration $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

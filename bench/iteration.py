@@ -3,26 +3,33 @@ the optimizer state side by side, and Megatron dev's chunked optimizer-state off
 them (issue 26's measurement).
 
     MEGATRON_LM_DIR=/patched/Megatron-LM [MEGATRON_DEV_DIR=/Megatron-LM-dev] \\
-        python -m bench.iteration [--modes resident,auto,host,...] [--dev-fractions 0.25,1] \\
-        [--iters 6] [--disk-dir /nvme/bench] [--out bench-results/iteration.json] [--plot]
+        python -m bench.iteration [--modes resident,auto,...] [--dev-fractions 0,0.5,1] \\
+        [--iters 6] [--deadline-s 560] [--disk-dir /nvme/bench] [--out bench-results/iteration.json]
+    python -m bench.iteration merge a.json b.json --out all.json [--plot]
 
 The GPT of issue 26: 20 layers, hidden 2048, 16 heads, seq 2048, micro-batch 4, global
-batch 32, ``--transformer-impl local``, mock data, bf16, the distributed optimizer: 1.15B
-params, 13.7 GB of fp32 optimizer state. Ours run through the GPU tier's harness
-(``tests.gpu.pretrain_probe``: each iteration's step seconds and where the state lives) and
-the launcher; dev's run its own ``pretrain_gpt.py`` from ``$MEGATRON_DEV_DIR`` with
-``--chunked-optimizer-state-offload --optimizer-state-offload-fraction F`` (chunks of
-``bench.megatron_dev.DEV_CHUNK_MB``). Every run is timed the same way, from Megatron's own
-log: ``elapsed time per iteration (ms)`` (the median after the first iteration), and the
-``max reserved`` device memory it reports after the first iteration (MB; for ours the
-probe's peak over the whole run too).
+batch 32, untied embeddings, ``--transformer-impl local``, mock data, bf16, the distributed
+optimizer: 1.15B params, 13.7 GB of fp32 optimizer state. Every run goes through the GPU
+tier's harness (``tests.gpu.pretrain_probe``: each iteration's step seconds, the device's
+peak, where the state lives) and the launcher: ours from ``$MEGATRON_LM_DIR`` with our
+flags, dev's from ``$MEGATRON_DEV_DIR`` with ``--chunked-optimizer-state-offload
+--optimizer-state-offload-fraction F`` (chunks of ``bench.megatron_dev.DEV_CHUNK_MB``; F = 0
+is dev's own baseline, the feature off). Each run imports the ``megatron`` of its tree.
 
-Per run the report gives s/iter, its ratio to resident's, and, for ours, the step's seconds
-and the share of the state's transfers hidden behind forward/backward: the step's time
-beyond resident's step is what the transfers cost inside the step; what the iteration grew
-beyond resident's is what they cost the iteration; hidden = 1 - grown / step beyond
-(0 while every transfer sits inside ``optimizer.step()``). The runs go one after another in
-one process (ratios from one call); a run that fails is reported with its log's tail.
+Timing: Megatron's own log, ``elapsed time per iteration (ms)``, the median from the third
+iteration on (the second line averages the first two, whose one-time costs it carries);
+the step's seconds from the probe, same iterations. Per run: s/iter, x resident (and, for
+dev, x dev@0), the step's seconds, what the step grew beyond resident's step (the
+transfers inside the step, ``in_step_s``) and what the iteration grew (``grown_s``); where
+the step grew by 0.2 s or more, ``hidden = 1 - grown / in_step``: the share of the step's
+transfers that forward/backward hid (about 0 while every transfer sits inside
+``optimizer.step()``; the probe synchronizes the device after each step to time it, so a
+transfer still running past the step is waited there and counts as in the step).
+
+A call of the GPU machine lasts at most 600 s: each invocation runs what fits before
+``--deadline-s`` (a run is not started unless its timeout fits), writes ``--out`` after
+every run, and its ratios are within the invocation (give each one ``resident``; ``merge``
+puts invocations side by side, each run keeping its own invocation's ratios).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench import megatron_dev
@@ -44,14 +53,14 @@ GPT = (
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 32768 --transformer-impl local "
     "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
     "--no-rope-fusion --no-persist-layer-norm --num-layers 20 --hidden-size 2048 --num-attention-heads 16 "
-    "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 32 --lr 3e-4 "
-    "--min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 100 --bf16 "
-    "--use-distributed-optimizer --log-interval 1 --eval-iters 0 --eval-interval 100000 --seed 1234 "
-    "--ckpt-format torch_dist"
+    "--seq-length 2048 --max-position-embeddings 2048 --untie-embeddings-and-output-weights "
+    "--micro-batch-size 4 --global-batch-size 32 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine "
+    "--lr-warmup-iters 1 --lr-decay-iters 100 --bf16 --use-distributed-optimizer --log-interval 1 "
+    "--eval-iters 0 --eval-interval 100000 --seed 1234 --ckpt-format torch_dist"
 ).split()
 STREAM = ["--stream-optimizer-state-to-disk"]
-# Our placements (flags after the disk directory's). "gpu+host": half the state's stored
-# bytes (13.7 GB fp32) in the gpu home, the rest in host memory.
+# Our placements (after ``--offload-train-disk-dir``). "gpu+host": half the state's 13.7 GB
+# (6.4 GiB) in the gpu home, the rest in host memory.
 MODES = {
     "resident": [],
     "auto": [
@@ -74,7 +83,10 @@ MODES = {
         "8bit",
     ],
 }
-RUN_TIMEOUT_S = 900
+MIN_ITERS = 5  # the median is taken from the third iteration on
+RUN_TIMEOUT_S = 300
+STOP_GRACE_S = 60  # SIGTERM to torchrun, which stops its workers (they run in sessions of their own)
+HIDDEN_FROM_S = 0.2  # a step that grew by less: no share worth stating
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 MAX_RESERVED = re.compile(r"max reserved: ([0-9.]+)")
 
@@ -90,101 +102,191 @@ def dev_flags(fraction: float) -> list[str]:
     ]
 
 
+def command(tree: str, iters: int, flags: list[str]) -> list[str]:
+    """One run: torchrun of the probe (then the launcher) on ``tree``'s ``pretrain_gpt.py``."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
+    return [*torchrun, "-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *GPT, "--train-iters", str(iters), *flags]
+
+
+def environment(probe_out: Path) -> dict[str, str]:
+    """A run's environment: this repository on the path (the probe, the launcher), no other
+    (the run's tree, its cwd, gives ``megatron``); one allocator setting for every run."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PRETRAIN_PROBE_OUT": str(probe_out),
+        "PRETRAIN_PROBE_HASH": "0",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+
+
 def timings_from_log(log: str) -> dict:
-    """Seconds of every iteration Megatron logged, and its first ``max reserved`` (MB)."""
-    seconds = [float(ms) / 1e3 for ms in ELAPSED.findall(log)]
-    reserved = MAX_RESERVED.search(log)
-    return {"seconds": seconds, "max_reserved_mb_first_iteration": float(reserved.group(1)) if reserved else None}
+    """Seconds of every iteration Megatron logged, and its last ``max reserved`` (MB)."""
+    reserved = MAX_RESERVED.findall(log)
+    return {
+        "seconds": [float(ms) / 1e3 for ms in ELAPSED.findall(log)],
+        "max_reserved_mb_logged": float(reserved[-1]) if reserved else None,
+    }
 
 
 def summarize(runs: dict[str, dict]) -> dict[str, dict]:
-    """Per run: s/iter (median after the first), x resident, and for ours the step's seconds
-    and the share of its transfers hidden (module docstring)."""
+    """Per run: s/iter, ratios, the step's seconds and the transfers' share hidden
+    (module docstring), from the third iteration on."""
     out: dict[str, dict] = {}
     for name, run in runs.items():
-        seconds = run["seconds"][1:]
-        steps = [r["step_seconds"] for r in run.get("probe", [])[1:]]
+        seconds = run.get("seconds", [])[2:]
+        probe = run.get("probe", [])
+        steps = [r["step_seconds"] for r in probe[2:]]
         out[name] = {
-            "ok": run["returncode"] == 0 and bool(seconds),
+            "ok": run.get("returncode") == 0 and bool(seconds),
             "s_per_iter": statistics.median(seconds) if seconds else None,
             "step_s": statistics.median(steps) if steps else None,
-            "max_reserved_mb_first_iteration": run["max_reserved_mb_first_iteration"],
-            "max_reserved_mb": round(run["probe"][-1]["max_reserved_bytes"] / 2**20) if run.get("probe") else None,
-            "placement": run["probe"][-1].get("placement") if run.get("probe") else None,
+            "max_reserved_mb": round(max(r["max_reserved_bytes"] for r in probe) / 2**20) if probe else None,
+            "max_reserved_mb_logged": run.get("max_reserved_mb_logged"),
+            "placement": probe[-1].get("placement") if probe else None,
         }
-    base = out.get("resident", {})
-    for row in out.values():
-        if not (row["ok"] and base.get("ok")):
-            continue
-        row["x_resident"] = round(row["s_per_iter"] / base["s_per_iter"], 3)
-        if row["step_s"] is not None and base["step_s"] is not None:
-            in_step = row["step_s"] - base["step_s"]
-            grown = row["s_per_iter"] - base["s_per_iter"]
-            row["hidden"] = round(min(1.0, max(0.0, 1 - grown / in_step)), 3) if in_step > 0 else None
+    _ratios(out, "resident", "x_resident", names=list(out))
+    _ratios(out, "megatron-dev@0", "x_dev_off", names=[n for n in out if n.startswith("megatron-dev@")])
     return out
 
 
-def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path | None) -> dict:
-    print(f"[iteration] {name}: {' '.join(cmd[-12:])}", file=sys.stderr, flush=True)
+def _ratios(out: dict[str, dict], base_name: str, key: str, names: list[str]) -> None:
+    base = out.get(base_name)
+    if not base or not base["ok"]:
+        return
+    for name in names:
+        row = out[name]
+        if not row["ok"]:
+            continue
+        row[key] = round(row["s_per_iter"] / base["s_per_iter"], 3)
+        if key == "x_resident" and row["step_s"] is not None and base["step_s"] is not None:
+            row["in_step_s"] = round(row["step_s"] - base["step_s"], 3)
+            row["grown_s"] = round(row["s_per_iter"] - base["s_per_iter"], 3)
+            if row["in_step_s"] >= HIDDEN_FROM_S:
+                row["hidden"] = round(1 - row["grown_s"] / row["in_step_s"], 3)
+
+
+def filesystem_of(path: str) -> str:
+    """The type of the filesystem ``path`` lies on (/proc/mounts: a tmpfs would time host RAM)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        returncode, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as timeout:
-        returncode, log = -1, f"timed out after {RUN_TIMEOUT_S} s\n{timeout.stdout or ''}{timeout.stderr or ''}"
-    run = {"returncode": returncode, **timings_from_log(log)}
-    if probe_out is not None and probe_out.exists():
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount = fields[1]
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path, timeout_s: float) -> dict:
+    print(f"[iteration] {name}: {' '.join(cmd[-10:])}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # torchrun's workers live in sessions of their own: a SIGKILL of torchrun would leave
+        # them holding the GPU. SIGTERM makes it stop them first.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            log, _ = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        log = f"{log}\n[iteration] stopped after {timeout_s:.0f} s"
+    run = {"returncode": proc.returncode, "wall_s": round(time.perf_counter() - start, 1), **timings_from_log(log)}
+    if probe_out.exists():
         run["probe"] = [json.loads(line) for line in probe_out.read_text().splitlines()]
-    if returncode != 0:
+    if proc.returncode != 0:
         run["log_tail"] = log[-3000:]
-    print(f"[iteration] {name}: rc={returncode} s/iter={[round(s, 2) for s in run['seconds']]}", file=sys.stderr)
+    print(f"[iteration] {name}: rc={proc.returncode} s/iter={[round(s, 2) for s in run['seconds']]}", file=sys.stderr)
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
-    parser.add_argument("--dev-fractions", default="0.25,0.5,0.75,1.0", help="dev's offload fractions ('' for none)")
-    parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--disk-dir", default=None, help="our disk tier's directory (a temporary one if not given)")
-    parser.add_argument("--out", default="bench-results/iteration.json")
-    parser.add_argument("--plot", action="store_true", help="also write the runs' s/iter as a PNG beside --out")
-    args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise SystemExit(f"bench.iteration: unknown modes {unknown}; known: {', '.join(MODES)}")
-    tree = os.environ.get("MEGATRON_LM_DIR")
+def _check_tree(tree: str, patched: bool) -> None:
+    """Refuse before any run: no tree, or (``patched``: streamed modes) a tree without the hooks."""
     if not tree or not os.path.isfile(os.path.join(tree, "pretrain_gpt.py")):
         raise SystemExit("bench.iteration: needs MEGATRON_LM_DIR, a patched Megatron-LM tree holding pretrain_gpt.py")
-    fractions = [float(f) for f in args.dev_fractions.split(",") if f]
-    missing = megatron_dev.checkout_missing() if fractions else None
-    if missing:
-        raise SystemExit(f"bench.iteration: {missing} (or --dev-fractions '')")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
-    common = [*GPT, "--train-iters", str(args.iters)]
-    runs: dict[str, dict] = {}
+    if not patched:
+        return
+    status = subprocess.run(
+        [sys.executable, "-m", "megatron_hooks", "status", "--megatron-dir", tree],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if status.returncode != 0:
+        raise SystemExit(f"bench.iteration: {tree} is not patched (make apply-patches MEGATRON_DIR={tree})")
+
+
+def measure(args: argparse.Namespace) -> None:
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := sorted(set(modes) - set(MODES)):
+        raise SystemExit(f"bench.iteration: unknown modes {unknown}; known: {', '.join(MODES)}")
+    if args.iters < MIN_ITERS:
+        raise SystemExit(f"bench.iteration: --iters must be {MIN_ITERS} or more (the median starts at the third)")
+    tree = os.environ.get("MEGATRON_LM_DIR", "")
+    tree = os.path.abspath(tree) if tree else ""
+    if modes:
+        _check_tree(tree, patched=any(MODES[m] for m in modes))
+    dev = os.environ.get(megatron_dev.DEV_DIR_ENV)
+    fractions_given = args.dev_fractions is not None
+    fractions = [float(f) for f in (args.dev_fractions if fractions_given else "0,0.25,0.5,1").split(",") if f]
+    if fractions and (missing := megatron_dev.checkout_missing()):
+        if fractions_given:
+            raise SystemExit(f"bench.iteration: {missing}")
+        print(f"[iteration] dev runs skipped: {missing}", file=sys.stderr)
+        fractions = []
+    deadline = time.perf_counter() + args.deadline_s
+    report = {"gpt": " ".join(GPT), "iters": args.iters, "runs": {}, "skipped": []}
     with tempfile.TemporaryDirectory(prefix="bench-iteration-") as tmp:
-        disk = args.disk_dir or os.path.join(tmp, "nvme")
-        for mode in modes:
-            probe_out = Path(tmp) / f"{mode}.jsonl"
-            env = {**os.environ, "PYTHONPATH": str(REPO), "PRETRAIN_PROBE_OUT": str(probe_out)}
-            env["PRETRAIN_PROBE_HASH"] = "0"
-            flags = ["--offload-train-disk-dir", disk, *MODES[mode]] if MODES[mode] else []
-            cmd = [*torchrun, "-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *common, *flags]
-            runs[mode] = _run(mode, cmd, tree, env, probe_out)
-        dev = os.environ.get(megatron_dev.DEV_DIR_ENV, "")
-        for fraction in fractions:
-            cmd = [*torchrun, "pretrain_gpt.py", *common, *dev_flags(fraction)]
-            runs[f"megatron-dev-chunked@{fraction:g}"] = _run(
-                f"megatron-dev-chunked@{fraction:g}", cmd, dev, {**os.environ, "PYTHONPATH": dev}, None
+        disk = os.path.abspath(args.disk_dir or os.path.join(tmp, "nvme"))
+        report["disk_dir"] = {"path": disk, "filesystem": filesystem_of(os.path.dirname(disk))}
+        plan = [(m, tree, ["--offload-train-disk-dir", disk, *MODES[m]] if MODES[m] else []) for m in modes]
+        plan += [(f"megatron-dev@{f:g}", os.path.abspath(dev), dev_flags(f)) for f in fractions]
+        for name, cwd, flags in plan:
+            left = deadline - time.perf_counter()
+            if left < args.run_timeout_s:
+                report["skipped"].append(name)
+                continue
+            probe_out = Path(tmp) / f"{name}.jsonl"
+            report["runs"][name] = _run(
+                name, command(cwd, args.iters, flags), cwd, environment(probe_out), probe_out, args.run_timeout_s
             )
-    report = {"gpt": " ".join(GPT), "iters": args.iters, "summary": summarize(runs), "runs": runs}
+            report["summary"] = summarize(report["runs"])
+            _write(report, args.out)  # after every run: a call cut short keeps what it measured
+    report["summary"] = summarize(report["runs"])
+    _write(report, args.out)
     print(json.dumps(report["summary"], indent=1))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    if report["skipped"]:
+        print(f"[iteration] not run before the deadline: {', '.join(report['skipped'])}", file=sys.stderr)
+
+
+def merge(paths: list[str], out: str, plot: bool) -> None:
+    """Invocations side by side: every run keeps its own invocation's ratios; a name seen
+    again (each invocation's resident) is suffixed with its invocation's number."""
+    merged = {"calls": [], "summary": {}}
+    for number, path in enumerate(paths, 1):
+        with open(path) as f:
+            report = json.load(f)
+        merged["calls"].append({"path": path, **report})
+        for name, row in report.get("summary", {}).items():
+            merged["summary"][name if name not in merged["summary"] else f"{name} (call {number})"] = row
+    _write(merged, out)
+    print(json.dumps(merged["summary"], indent=1))
+    if plot:
+        _plot(merged["summary"], os.path.splitext(out)[0] + ".png")
+
+
+def _write(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    if args.plot:
-        _plot(report["summary"], os.path.splitext(args.out)[0] + ".png")
 
 
 def _plot(summary: dict, path: str) -> None:
@@ -194,11 +296,34 @@ def _plot(summary: dict, path: str) -> None:
     names = [n for n, row in summary.items() if row["ok"]]
     fig, ax = plt.subplots(figsize=(max(6, len(names)), 4))
     ax.bar(names, [summary[n]["s_per_iter"] for n in names])
-    ax.set_ylabel("s / iteration (median after the first)")
+    ax.set_ylabel("s / iteration (median from the third)")
     ax.set_title("pretrain_gpt.py, 1.15B GPT, one GPU")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        parser = argparse.ArgumentParser(prog="bench.iteration merge", description=merge.__doc__)
+        parser.add_argument("reports", nargs="+")
+        parser.add_argument("--out", required=True)
+        parser.add_argument("--plot", action="store_true", help="also write the runs' s/iter as a PNG beside --out")
+        args = parser.parse_args(argv[1:])
+        merge(args.reports, args.out, args.plot)
+        return
+    parser = argparse.ArgumentParser(prog="bench.iteration", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    parser.add_argument(
+        "--dev-fractions", default=None, help="dev's offload fractions (default 0,0.25,0.5,1 where a checkout is set)"
+    )
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--deadline-s", type=float, default=560, help="start no run that could end past this")
+    parser.add_argument("--run-timeout-s", type=float, default=RUN_TIMEOUT_S)
+    parser.add_argument("--disk-dir", default=None, help="our disk tier's directory (a temporary one if not given)")
+    parser.add_argument("--out", default="bench-results/iteration.json")
+    measure(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """``bench.iteration`` (issue 26's whole-iteration bench; its runs need a GPU and Megatron-LM
-trees): the flags of every placement are the launcher's own, the timings are read the way
-Megatron logs them, and the report's ratios and hidden shares follow from the runs."""
+trees): every placement's flags pass the launcher's own checks, each run's command and
+environment are the GPU tier's, timings are read the way Megatron logs them, the report's
+ratios and hidden shares follow from the runs, a run past its time is stopped, and
+invocations merge side by side."""
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,66 +16,124 @@ from miles_plugins.optimizers.megatron import args as megatron_args
 
 
 @pytest.mark.parametrize("mode", sorted(iteration.MODES))
-def test_every_mode_passes_only_flags_the_launcher_defines(mode):
+def test_every_mode_passes_the_launcher_s_own_checks(mode, tmp_path):
     parser = megatron_args.add_arguments(argparse.ArgumentParser())
-    parsed, unknown = parser.parse_known_args(["--offload-train-disk-dir", "/nvme", *iteration.MODES[mode]])
+    parsed, unknown = parser.parse_known_args(["--offload-train-disk-dir", str(tmp_path), *iteration.MODES[mode]])
     assert unknown == []
     assert parsed.stream_optimizer_state_to_disk == (mode != "resident")
+    parsed.use_distributed_optimizer, parsed.bf16, parsed.optimizer = True, True, "adam"  # as GPT sets them
+    megatron_args.validate_args(parsed)  # raises what the launcher would refuse
+
+
+def test_a_run_is_the_probe_on_its_tree_s_script_with_this_repository_alone_on_the_path(tmp_path):
+    cmd = iteration.command("/trees/dev", 6, iteration.dev_flags(0.5))
+    assert cmd[cmd.index("-m", 3) + 1 : cmd.index("-m", 3) + 3] == ["tests.gpu.pretrain_probe", "pretrain_gpt.py"]
+    assert cmd[-5:] == [
+        "--chunked-optimizer-state-offload",
+        "--optimizer-state-offload-fraction",
+        "0.5",
+        "--optimizer-state-offload-chunk-size-mb",
+        "256",
+    ]
+    assert "--train-iters" in cmd and cmd[cmd.index("--train-iters") + 1] == "6"
+    assert "--untie-embeddings-and-output-weights" in cmd  # 1.15B params, 13.7 GB of state
+    env = iteration.environment(tmp_path / "probe.jsonl")
+    assert env["PYTHONPATH"] == str(iteration.REPO) and env["PRETRAIN_PROBE_HASH"] == "0"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_timings_are_read_from_megatron_s_own_log_lines():
-    # Megatron's formats: training.py's iteration line, utils' report_memory line.
+    # Megatron's formats: training.py's iteration line, report_memory's line (after iterations 1 and 2).
     log = "\n".join(
         [
             " [2026-12-02 01:00:00] iteration        1/       6 | consumed samples: 32 | "
             "elapsed time per iteration (ms): 4123.4 | learning rate: 3.0E-04 |",
             "[Rank 0] (after 1 iterations) memory (MB) | allocated: 100.00 | max allocated: 200.00 "
             "| reserved: 300.00 | max reserved: 51234.50",
-            " [2026-12-02 01:00:02] iteration        2/       6 | elapsed time per iteration (ms): 2001.0 |",
+            " [2026-12-02 01:00:02] iteration        2/       6 | elapsed time per iteration (ms): 3001.0 |",
+            "[Rank 0] (after 2 iterations) memory (MB) | allocated: 100.00 | max allocated: 200.00 "
+            "| reserved: 300.00 | max reserved: 61234.50",
             " [2026-12-02 01:00:04] iteration        3/       6 | elapsed time per iteration (ms): 1999.0 |",
         ]
     )
     timings = iteration.timings_from_log(log)
-    assert timings["seconds"] == pytest.approx([4.1234, 2.001, 1.999])
-    assert timings["max_reserved_mb_first_iteration"] == 51234.5
-    assert iteration.timings_from_log("Traceback: CUDA out of memory") == {
-        "seconds": [],
-        "max_reserved_mb_first_iteration": None,
-    }
+    assert timings["seconds"] == pytest.approx([4.1234, 3.001, 1.999])
+    assert timings["max_reserved_mb_logged"] == 61234.5
+    assert iteration.timings_from_log("CUDA out of memory") == {"seconds": [], "max_reserved_mb_logged": None}
 
 
 def _run(seconds, steps=None, rc=0):
-    run = {"returncode": rc, "seconds": seconds, "max_reserved_mb_first_iteration": 1.0}
+    run = {"returncode": rc, "seconds": seconds, "max_reserved_mb_logged": 1.0}
     if steps is not None:
-        run["probe"] = [{"step_seconds": s, "max_reserved_bytes": 2**30, "placement": {"gpu": 1}} for s in steps]
+        run["probe"] = [
+            {"step_seconds": s, "max_reserved_bytes": (k + 1) * 2**30, "placement": {"gpu": 1}}
+            for k, s in enumerate(steps)
+        ]
     return run
 
 
-def test_the_summary_gives_ratios_to_resident_and_the_share_of_the_step_s_transfers_hidden():
+def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden():
+    # The first two iterations (one-time costs; Megatron's second line averages both) are left out.
     runs = {
-        "resident": _run([9.0, 2.0, 2.0, 2.0], [0.1, 0.1, 0.1, 0.1]),
+        "resident": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1]),
         # The step grew by 0.4 s and so did the iteration: nothing hidden.
-        "host": _run([9.0, 2.4, 2.4, 2.5], [0.5, 0.5, 0.5, 0.5]),
+        "host": _run([9.0, 5.0, 2.4, 2.4, 2.5], [3.0, 3.0, 0.5, 0.5, 0.5]),
         # The step grew by 0.4 s, the iteration by 0.1 s: three quarters hidden.
-        "overlapped": _run([9.0, 2.1, 2.1, 2.1], [0.5, 0.5, 0.5, 0.5]),
-        "megatron-dev-chunked@0.5": _run([9.0, 3.0, 3.0]),
+        "overlapped": _run([9.0, 5.0, 2.1, 2.1, 2.1], [3.0, 3.0, 0.5, 0.5, 0.5]),
+        # The step grew by 0.05 s: too little to state a share.
+        "auto": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.15, 0.15, 0.15]),
+        "megatron-dev@0": _run([9.0, 5.0, 2.2, 2.2, 2.2], [3.0, 3.0, 0.1, 0.1, 0.1]),
+        "megatron-dev@0.5": _run([9.0, 5.0, 3.3, 3.3, 3.3], [3.0, 3.0, 1.0, 1.0, 1.0]),
         "failed": _run([], rc=1),
     }
     summary = iteration.summarize(runs)
-    assert summary["host"]["s_per_iter"] == 2.4 and summary["host"]["x_resident"] == 1.2
-    assert summary["host"]["hidden"] == 0.0
+    host = summary["host"]
+    assert host["s_per_iter"] == 2.4 and host["x_resident"] == 1.2 and host["step_s"] == 0.5
+    assert (host["in_step_s"], host["grown_s"], host["hidden"]) == (0.4, 0.4, 0.0)
     assert summary["overlapped"]["hidden"] == 0.75
-    assert summary["megatron-dev-chunked@0.5"]["x_resident"] == 1.5
-    assert "hidden" not in summary["megatron-dev-chunked@0.5"]  # no probe: no step seconds
+    assert "hidden" not in summary["auto"] and summary["auto"]["in_step_s"] == 0.05
+    assert summary["megatron-dev@0.5"]["x_resident"] == 1.65 and summary["megatron-dev@0.5"]["x_dev_off"] == 1.5
+    assert "x_dev_off" not in summary["host"]
     assert summary["failed"]["ok"] is False and "x_resident" not in summary["failed"]
-    assert summary["host"]["max_reserved_mb"] == 1024 and summary["host"]["placement"] == {"gpu": 1}
+    assert host["max_reserved_mb"] == 5 * 1024  # the largest any iteration saw
+    assert host["placement"] == {"gpu": 1}
 
 
-def test_it_refuses_unknown_modes_and_a_missing_tree_before_running_anything(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["bench.iteration", "--modes", "resident,nvme"])
-    with pytest.raises(SystemExit, match=r"unknown modes \['nvme'\]"):
-        iteration.main()
-    monkeypatch.setattr(sys, "argv", ["bench.iteration", "--modes", "resident"])
+def test_a_run_past_its_time_is_stopped_and_reported(tmp_path):
+    script = "import time; print('started', flush=True); time.sleep(60)"
+    run = iteration._run(
+        "slow", [sys.executable, "-c", script], str(tmp_path), {}, tmp_path / "none.jsonl", timeout_s=1
+    )
+    assert run["returncode"] != 0 and run["wall_s"] < 30
+    assert "started" in run["log_tail"] and "stopped after 1 s" in run["log_tail"]
+
+
+def test_bad_requests_are_refused_before_running_anything(monkeypatch):
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    with pytest.raises(SystemExit, match=r"unknown modes \['nvme'\]"):
+        iteration.main(["--modes", "resident,nvme"])
+    with pytest.raises(SystemExit, match="--iters must be 5 or more"):
+        iteration.main(["--iters", "3"])
     with pytest.raises(SystemExit, match="needs MEGATRON_LM_DIR"):
-        iteration.main()
+        iteration.main(["--modes", "resident"])
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(iteration.REPO))  # no pretrain_gpt.py there
+    with pytest.raises(SystemExit, match="needs MEGATRON_LM_DIR"):
+        iteration.main(["--modes", "host"])
+
+
+def test_invocations_merge_side_by_side_each_run_keeping_its_own_ratios(tmp_path):
+    first = {"summary": {"resident": {"ok": True, "x_resident": 1.0}, "host": {"ok": True, "x_resident": 1.2}}}
+    second = {"summary": {"resident": {"ok": True, "x_resident": 1.0}, "disk": {"ok": True, "x_resident": 3.1}}}
+    paths = []
+    for k, report in enumerate((first, second)):
+        paths.append(tmp_path / f"{k}.json")
+        paths[-1].write_text(json.dumps(report))
+    iteration.main(["merge", *map(str, paths), "--out", str(tmp_path / "all.json")])
+    merged = json.loads(Path(tmp_path / "all.json").read_text())
+    assert list(merged["summary"]) == ["resident", "host", "resident (call 2)", "disk"]
+    assert merged["summary"]["disk"]["x_resident"] == 3.1 and len(merged["calls"]) == 2
+
+
+def test_the_disk_directory_s_filesystem_is_named(tmp_path):
+    mounts = {line.split()[2] for line in Path("/proc/mounts").read_text().splitlines()}
+    assert iteration.filesystem_of(str(tmp_path)) in mounts
