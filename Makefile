@@ -78,7 +78,7 @@ bench-codec: venv
 
 # Whole iterations of Megatron-LM's pretrain_gpt.py, every placement and Megatron dev's
 # chunked offload side by side (bench/iteration.py): on the GPU machine, with its own torch
-# (no venv) and megatron-core importable, as test-gpu; MEGATRON_LM_DIR, MEGATRON_DEV_DIR.
+# (no venv), as test-gpu; each run imports its tree's megatron (MEGATRON_LM_DIR, MEGATRON_DEV_DIR).
 bench-iteration:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m bench.iteration $(BENCH_ARGS)
 

@@ -19,17 +19,20 @@ is dev's own baseline, the feature off). Each run imports the ``megatron`` of it
 Timing: Megatron's own log, ``elapsed time per iteration (ms)``, the median from the third
 iteration on (the second line averages the first two, whose one-time costs it carries);
 the step's seconds from the probe, same iterations. Per run: s/iter, x resident (and, for
-dev, x dev@0), the step's seconds, what the step grew beyond resident's step (the
-transfers inside the step, ``in_step_s``) and what the iteration grew (``grown_s``); where
-the step grew by 0.2 s or more, ``hidden = 1 - grown / in_step``: the share of the step's
+dev, x dev@0), the step's seconds, and for ours what the step grew beyond resident's
+step (the transfers inside the step, ``in_step_s``) and what the iteration grew
+(``grown_s``); where the step grew by 0.2 s or more, ``hidden = 1 - grown / in_step``: the share of the step's
 transfers that forward/backward hid (about 0 while every transfer sits inside
 ``optimizer.step()``; the probe synchronizes the device after each step to time it, so a
 transfer still running past the step is waited there and counts as in the step).
 
-A call of the GPU machine lasts at most 600 s: each invocation runs what fits before
-``--deadline-s`` (a run is not started unless its timeout fits), writes ``--out`` after
-every run, and its ratios are within the invocation (give each one ``resident``; ``merge``
-puts invocations side by side, each run keeping its own invocation's ratios).
+A call of the GPU machine lasts at most 600 s, and a run about one to three minutes: each
+invocation runs what fits before ``--deadline-s`` (a run gets the time left, its stop's
+grace included, up to ``--run-timeout-s``, and is not started with less than
+``MIN_RUN_S``), writes ``--out`` after every run, and its ratios are within the
+invocation: give each one ``resident`` (and ``--dev-fractions`` starting with 0 for dev's
+own ratios), three or four runs a call; ``merge`` puts invocations side by side, each run
+keeping its own invocation's ratios and naming it.
 """
 
 from __future__ import annotations
@@ -45,8 +48,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from bench import megatron_dev
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = (
@@ -85,6 +86,7 @@ MODES = {
 }
 MIN_ITERS = 5  # the median is taken from the third iteration on
 RUN_TIMEOUT_S = 300
+MIN_RUN_S = 120  # a run is not started with less time than this before the deadline
 STOP_GRACE_S = 60  # SIGTERM to torchrun, which stops its workers (they run in sessions of their own)
 HIDDEN_FROM_S = 0.2  # a step that grew by less: no share worth stating
 ELAPSED = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -98,12 +100,20 @@ def dev_flags(fraction: float) -> list[str]:
         "--optimizer-state-offload-fraction",
         str(fraction),
         "--optimizer-state-offload-chunk-size-mb",
-        str(megatron_dev.DEV_CHUNK_MB),
+        str(_megatron_dev().DEV_CHUNK_MB),
     ]
 
 
-def command(tree: str, iters: int, flags: list[str]) -> list[str]:
-    """One run: torchrun of the probe (then the launcher) on ``tree``'s ``pretrain_gpt.py``."""
+def _megatron_dev():
+    """``bench.megatron_dev``, imported when wanted (it imports torch; a merge needs none)."""
+    from bench import megatron_dev
+
+    return megatron_dev
+
+
+def command(iters: int, flags: list[str]) -> list[str]:
+    """One run: torchrun of the probe (then the launcher) on ``pretrain_gpt.py`` of the tree
+    it runs in (its cwd)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
     return [*torchrun, "-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *GPT, "--train-iters", str(iters), *flags]
 
@@ -138,7 +148,7 @@ def summarize(runs: dict[str, dict]) -> dict[str, dict]:
         probe = run.get("probe", [])
         steps = [r["step_seconds"] for r in probe[2:]]
         out[name] = {
-            "ok": run.get("returncode") == 0 and bool(seconds),
+            "ok": run.get("returncode") == 0 and len(run.get("seconds", [])) == run.get("iters"),
             "s_per_iter": statistics.median(seconds) if seconds else None,
             "step_s": statistics.median(steps) if steps else None,
             "max_reserved_mb": round(max(r["max_reserved_bytes"] for r in probe) / 2**20) if probe else None,
@@ -159,7 +169,8 @@ def _ratios(out: dict[str, dict], base_name: str, key: str, names: list[str]) ->
         if not row["ok"]:
             continue
         row[key] = round(row["s_per_iter"] / base["s_per_iter"], 3)
-        if key == "x_resident" and row["step_s"] is not None and base["step_s"] is not None:
+        ours = not name.startswith("megatron-dev@")  # dev moves state outside its step too
+        if key == "x_resident" and ours and row["step_s"] is not None and base["step_s"] is not None:
             row["in_step_s"] = round(row["step_s"] - base["step_s"], 3)
             row["grown_s"] = round(row["s_per_iter"] - base["s_per_iter"], 3)
             if row["in_step_s"] >= HIDDEN_FROM_S:
@@ -176,36 +187,55 @@ def filesystem_of(path: str) -> str:
                 fields = line.split()
                 mount = fields[1]
                 inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
+                if inside and len(mount) >= len(best):  # the later of two mounts on one path is in effect
                     best, kind = mount, fields[2]
     except OSError:
         pass
     return kind
 
 
-def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path, timeout_s: float) -> dict:
+def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path, timeout_s: float, iters: int) -> dict:
     print(f"[iteration] {name}: {' '.join(cmd[-10:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # torchrun's workers live in sessions of their own: a SIGKILL of torchrun would leave
-        # them holding the GPU. SIGTERM makes it stop them first.
-        proc.send_signal(signal.SIGTERM)
+    # The log goes to a file, not a pipe: workers torchrun leaves behind would hold a pipe open.
+    log_path = probe_out.with_suffix(".log")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        stopped = ""
         try:
-            log, _ = proc.communicate(timeout=STOP_GRACE_S)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        log = f"{log}\n[iteration] stopped after {timeout_s:.0f} s"
-    run = {"returncode": proc.returncode, "wall_s": round(time.perf_counter() - start, 1), **timings_from_log(log)}
+            # torchrun's workers live in sessions of their own: a SIGKILL of torchrun would leave
+            # them holding the GPU. SIGTERM makes it stop them first.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_GRACE_S)
+            stopped = f"\n[iteration] stopped after {timeout_s:.0f} s"
+    log = log_path.read_text(errors="replace") + stopped
+    run = {"returncode": proc.returncode, "iters": iters, "wall_s": round(time.perf_counter() - start, 1)}
+    run.update(timings_from_log(log))
     if probe_out.exists():
-        run["probe"] = [json.loads(line) for line in probe_out.read_text().splitlines()]
+        records = []
+        for line in probe_out.read_text(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # the last line of a run stopped mid-write
+                break
+        run["probe"] = records
     if proc.returncode != 0:
         run["log_tail"] = log[-3000:]
     print(f"[iteration] {name}: rc={proc.returncode} s/iter={[round(s, 2) for s in run['seconds']]}", file=sys.stderr)
     return run
+
+
+def run_timeout(left_s: float, run_timeout_s: float) -> float | None:
+    """The time a run may take with ``left_s`` before the deadline (its stop's grace kept
+    inside it), or None when too little is left to start one."""
+    timeout = min(run_timeout_s, left_s - STOP_GRACE_S)
+    return timeout if timeout >= MIN_RUN_S else None
 
 
 def _check_tree(tree: str, patched: bool) -> None:
@@ -220,12 +250,17 @@ def _check_tree(tree: str, patched: bool) -> None:
         capture_output=True,
         text=True,
     )
-    if status.returncode != 0:
+    if status.returncode == 1:
         raise SystemExit(f"bench.iteration: {tree} is not patched (make apply-patches MEGATRON_DIR={tree})")
+    if status.returncode != 0:
+        said = (status.stdout + status.stderr).strip().splitlines()
+        raise SystemExit(f"bench.iteration: could not check {tree}'s hooks: {said[-1] if said else status.returncode}")
 
 
 def measure(args: argparse.Namespace) -> None:
     modes = [m for m in args.modes.split(",") if m]
+    if len(set(modes)) != len(modes):
+        raise SystemExit(f"bench.iteration: a mode given twice in {args.modes!r}")
     if unknown := sorted(set(modes) - set(MODES)):
         raise SystemExit(f"bench.iteration: unknown modes {unknown}; known: {', '.join(MODES)}")
     if args.iters < MIN_ITERS:
@@ -234,9 +269,12 @@ def measure(args: argparse.Namespace) -> None:
     tree = os.path.abspath(tree) if tree else ""
     if modes:
         _check_tree(tree, patched=any(MODES[m] for m in modes))
+    megatron_dev = _megatron_dev()
     dev = os.environ.get(megatron_dev.DEV_DIR_ENV)
     fractions_given = args.dev_fractions is not None
     fractions = [float(f) for f in (args.dev_fractions if fractions_given else "0,0.25,0.5,1").split(",") if f]
+    if len(set(fractions)) != len(fractions):
+        raise SystemExit(f"bench.iteration: a dev fraction given twice in {args.dev_fractions!r}")
     if fractions and (missing := megatron_dev.checkout_missing()):
         if fractions_given:
             raise SystemExit(f"bench.iteration: {missing}")
@@ -246,17 +284,17 @@ def measure(args: argparse.Namespace) -> None:
     report = {"gpt": " ".join(GPT), "iters": args.iters, "runs": {}, "skipped": []}
     with tempfile.TemporaryDirectory(prefix="bench-iteration-") as tmp:
         disk = os.path.abspath(args.disk_dir or os.path.join(tmp, "nvme"))
-        report["disk_dir"] = {"path": disk, "filesystem": filesystem_of(os.path.dirname(disk))}
+        report["disk_dir"] = {"path": disk, "filesystem": filesystem_of(disk)}
         plan = [(m, tree, ["--offload-train-disk-dir", disk, *MODES[m]] if MODES[m] else []) for m in modes]
         plan += [(f"megatron-dev@{f:g}", os.path.abspath(dev), dev_flags(f)) for f in fractions]
         for name, cwd, flags in plan:
-            left = deadline - time.perf_counter()
-            if left < args.run_timeout_s:
+            timeout = run_timeout(deadline - time.perf_counter(), args.run_timeout_s)
+            if timeout is None:
                 report["skipped"].append(name)
                 continue
             probe_out = Path(tmp) / f"{name}.jsonl"
             report["runs"][name] = _run(
-                name, command(cwd, args.iters, flags), cwd, environment(probe_out), probe_out, args.run_timeout_s
+                name, command(args.iters, flags), cwd, environment(probe_out), probe_out, timeout, args.iters
             )
             report["summary"] = summarize(report["runs"])
             _write(report, args.out)  # after every run: a call cut short keeps what it measured
@@ -276,7 +314,10 @@ def merge(paths: list[str], out: str, plot: bool) -> None:
             report = json.load(f)
         merged["calls"].append({"path": path, **report})
         for name, row in report.get("summary", {}).items():
-            merged["summary"][name if name not in merged["summary"] else f"{name} (call {number})"] = row
+            merged["summary"][name if name not in merged["summary"] else f"{name} (call {number})"] = {
+                **row,
+                "call": number,  # its ratios are to this call's resident (and dev@0)
+            }
     _write(merged, out)
     print(json.dumps(merged["summary"], indent=1))
     if plot:

@@ -8,7 +8,8 @@ of the launcher): after each step, rank 0 appends one JSON line to
 ``$PRETRAIN_PROBE_OUT`` with the iteration's reduced losses (``float.hex``,
 exact), a SHA-256 over a digest of every model param's bits taken on the device
 (``_param_digest``; ``PRETRAIN_PROBE_HASH=0`` skips it), the iteration's and the optimizer step's
-seconds, and, where streaming is on, what the step added to the device memory
+seconds, the device memory reserved at the run's peak so far (kept across resets of
+the allocator's statistics, the probe's and an auto budget's), and, where streaming is on, what the step added to the device memory
 allocated before it against the stores' ``step_device_bytes_bound``, and where
 the state lives. Then it runs ``miles_plugins.launch`` on the arguments, so the
 same harness serves the resident run (no streaming flag) and the streamed one.
@@ -71,11 +72,13 @@ class _StepProbe:
         self.added: int | None = None
         self._before = 0
         self._peak_at_reset = 0
+        self.reserved_peak = 0  # the run's, across every reset of the statistics
         reset = torch.cuda.reset_peak_memory_stats
 
         def reset_peak_memory_stats(*args, **kwargs):
             # Something resets the statistics inside the step (an auto GPU budget): keep its peak.
             self._peak_at_reset = max(self._peak_at_reset, torch.cuda.max_memory_allocated())
+            self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
             return reset(*args, **kwargs)
 
         torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
@@ -90,6 +93,7 @@ class _StepProbe:
             if self.measure:
                 torch.cuda.synchronize()
                 self._before = torch.cuda.memory_allocated()
+                self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
                 self._reset()
                 self._peak_at_reset = 0
             start = time.perf_counter()
@@ -134,7 +138,7 @@ def _record_each_step(training, out: str) -> None:
                 "params": _params_hash(model) if hashing else None,
                 "seconds": seconds,
                 "step_seconds": probe.seconds,
-                "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "max_reserved_bytes": max(probe.reserved_peak, torch.cuda.max_memory_reserved()),
                 "device_total_bytes": torch.cuda.mem_get_info()[1],
             }
             if stores:

@@ -26,7 +26,7 @@ def test_every_mode_passes_the_launcher_s_own_checks(mode, tmp_path):
 
 
 def test_a_run_is_the_probe_on_its_tree_s_script_with_this_repository_alone_on_the_path(tmp_path):
-    cmd = iteration.command("/trees/dev", 6, iteration.dev_flags(0.5))
+    cmd = iteration.command(6, iteration.dev_flags(0.5))
     assert cmd[cmd.index("-m", 3) + 1 : cmd.index("-m", 3) + 3] == ["tests.gpu.pretrain_probe", "pretrain_gpt.py"]
     assert cmd[-5:] == [
         "--chunked-optimizer-state-offload",
@@ -63,7 +63,7 @@ def test_timings_are_read_from_megatron_s_own_log_lines():
 
 
 def _run(seconds, steps=None, rc=0):
-    run = {"returncode": rc, "seconds": seconds, "max_reserved_mb_logged": 1.0}
+    run = {"returncode": rc, "iters": 5, "seconds": seconds, "max_reserved_mb_logged": 1.0}
     if steps is not None:
         run["probe"] = [
             {"step_seconds": s, "max_reserved_bytes": (k + 1) * 2**30, "placement": {"gpu": 1}}
@@ -85,6 +85,7 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
         "megatron-dev@0": _run([9.0, 5.0, 2.2, 2.2, 2.2], [3.0, 3.0, 0.1, 0.1, 0.1]),
         "megatron-dev@0.5": _run([9.0, 5.0, 3.3, 3.3, 3.3], [3.0, 3.0, 1.0, 1.0, 1.0]),
         "failed": _run([], rc=1),
+        "cut short": _run([9.0, 5.0, 2.0]),  # rc 0, but not every iteration logged
     }
     summary = iteration.summarize(runs)
     host = summary["host"]
@@ -94,7 +95,9 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
     assert "hidden" not in summary["auto"] and summary["auto"]["in_step_s"] == 0.05
     assert summary["megatron-dev@0.5"]["x_resident"] == 1.65 and summary["megatron-dev@0.5"]["x_dev_off"] == 1.5
     assert "x_dev_off" not in summary["host"]
+    assert "in_step_s" not in summary["megatron-dev@0.5"]  # dev moves state outside its step too
     assert summary["failed"]["ok"] is False and "x_resident" not in summary["failed"]
+    assert summary["cut short"]["ok"] is False
     assert host["max_reserved_mb"] == 5 * 1024  # the largest any iteration saw
     assert host["placement"] == {"gpu": 1}
 
@@ -102,13 +105,19 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
 def test_a_run_past_its_time_is_stopped_and_reported(tmp_path):
     script = "import time; print('started', flush=True); time.sleep(60)"
     run = iteration._run(
-        "slow", [sys.executable, "-c", script], str(tmp_path), {}, tmp_path / "none.jsonl", timeout_s=1
+        "slow", [sys.executable, "-c", script], str(tmp_path), {}, tmp_path / "slow.jsonl", timeout_s=1, iters=5
     )
     assert run["returncode"] != 0 and run["wall_s"] < 30
     assert "started" in run["log_tail"] and "stopped after 1 s" in run["log_tail"]
 
 
-def test_bad_requests_are_refused_before_running_anything(monkeypatch):
+def test_a_run_gets_the_time_left_with_its_stop_s_grace_or_is_not_started():
+    assert iteration.run_timeout(560, 300) == 300
+    assert iteration.run_timeout(300, 300) == 300 - iteration.STOP_GRACE_S
+    assert iteration.run_timeout(iteration.MIN_RUN_S + iteration.STOP_GRACE_S - 1, 300) is None
+
+
+def test_bad_requests_are_refused_before_running_anything(monkeypatch, tmp_path):
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
     with pytest.raises(SystemExit, match=r"unknown modes \['nvme'\]"):
         iteration.main(["--modes", "resident,nvme"])
@@ -116,8 +125,14 @@ def test_bad_requests_are_refused_before_running_anything(monkeypatch):
         iteration.main(["--iters", "3"])
     with pytest.raises(SystemExit, match="needs MEGATRON_LM_DIR"):
         iteration.main(["--modes", "resident"])
+    with pytest.raises(SystemExit, match="a mode given twice"):
+        iteration.main(["--modes", "resident,host,resident"])
     monkeypatch.setenv("MEGATRON_LM_DIR", str(iteration.REPO))  # no pretrain_gpt.py there
     with pytest.raises(SystemExit, match="needs MEGATRON_LM_DIR"):
+        iteration.main(["--modes", "host"])
+    (tmp_path / "pretrain_gpt.py").write_text("")  # a script, but no Megatron tree around it
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="could not check .*: error: no megatron/training/checkpointing.py"):
         iteration.main(["--modes", "host"])
 
 
@@ -132,6 +147,7 @@ def test_invocations_merge_side_by_side_each_run_keeping_its_own_ratios(tmp_path
     merged = json.loads(Path(tmp_path / "all.json").read_text())
     assert list(merged["summary"]) == ["resident", "host", "resident (call 2)", "disk"]
     assert merged["summary"]["disk"]["x_resident"] == 3.1 and len(merged["calls"]) == 2
+    assert [row["call"] for row in merged["summary"].values()] == [1, 1, 2, 2]
 
 
 def test_the_disk_directory_s_filesystem_is_named(tmp_path):
