@@ -227,29 +227,25 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
 def narrow_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
     """:func:`narrow_in_place` of every tensor, the small ones packed a group at a time
     where the fused kernels serve (``fused.plan_packed``; the same bytes)."""
-    singles, groups = fused.plan_packed(tensors, unit=BLOCK)
-    for k in singles:
-        narrow_in_place(tensors[k], signed, sqrt)
-    for group in groups:
-        fused.quant8_narrow_packed(
-            [tensors[k].view(-1) for k in group],
-            [_codes_and_scales(tensors[k]) for k in group],
-            _search_guide(signed, tensors[group[0]].device),
-            sqrt,
-            BLOCK,
-        )
+    _each_or_packed(tensors, signed, sqrt, narrow_in_place, fused.quant8_narrow_packed, _search_guide)
 
 
 def widen_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
     """:func:`widen_in_place` of every tensor, the small ones packed as :func:`narrow_many`."""
+    _each_or_packed(tensors, signed, sqrt, widen_in_place, fused.quant8_widen_packed, lambda *a: _tables(*a)[0])
+
+
+def _each_or_packed(tensors, signed: bool, sqrt: bool, one, packed, table) -> None:
+    """``one(t, signed, sqrt)`` for the tensors ``fused.plan_packed`` leaves alone, and
+    ``packed`` for each of its groups, with the map's ``table(signed, device)``."""
     singles, groups = fused.plan_packed(tensors, unit=BLOCK)
     for k in singles:
-        widen_in_place(tensors[k], signed, sqrt)
+        one(tensors[k], signed, sqrt)
     for group in groups:
-        fused.quant8_widen_packed(
+        packed(
             [tensors[k].view(-1) for k in group],
             [_codes_and_scales(tensors[k]) for k in group],
-            _tables(signed, tensors[group[0]].device)[0],
+            table(signed, tensors[group[0]].device),
             sqrt,
             BLOCK,
         )
