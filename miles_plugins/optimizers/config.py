@@ -179,6 +179,16 @@ class StreamConfig:
             moments exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable
             across restarts of the same rank so stale scratch gets purged.
+        overlap_bytes: pipelined engine: device memory the state may hold across
+            the step boundary, so that its transfers run during forward and
+            backward instead of inside the step (0, the default: every transfer
+            inside ``optimizer.step()``). The step leaves its last buckets outside
+            the gpu home that fit it encoded on the device, and their writes run
+            from the caller's next :meth:`~StreamingStore.progress`; once they have
+            landed, the next step's first buckets that fit it are read. Neither
+            set ever exceeds it, and the two are never held at once; the step's
+            own bound grows by it. Not with an ``"auto"`` GPU budget (which sizes
+            its home from the peaks this window would change).
         drive_ranks: processes of this node that share the state directories
             and set up at once (Megatron's ``attach`` counts the node's ranks):
             each plans its disk buckets with that share of the free space it
@@ -203,6 +213,7 @@ class StreamConfig:
     auto_gpu_margin_bytes: int = DEFAULT_AUTO_GPU_MARGIN_BYTES
     auto_host_margin_bytes: int = DEFAULT_AUTO_HOST_MARGIN_BYTES
     fp32_param_moments: str = "streamed"
+    overlap_bytes: int = 0
     drive_ranks: int = 1
 
     def __post_init__(self) -> None:
@@ -253,7 +264,13 @@ class StreamConfig:
                 raise StreamConfigError(
                     f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"
                 )
-        for field in ("gpu_budget_bytes", "host_budget_bytes", "auto_gpu_margin_bytes", "auto_host_margin_bytes"):
+        for field in (
+            "gpu_budget_bytes",
+            "host_budget_bytes",
+            "auto_gpu_margin_bytes",
+            "auto_host_margin_bytes",
+            "overlap_bytes",
+        ):
             value = getattr(self, field)
             if value == AUTO and field.endswith("budget_bytes"):
                 continue
@@ -279,6 +296,15 @@ class StreamConfig:
                 f"staging budget {self.staging_budget_mb} MiB is too small: the pipelined engine needs a chunk "
                 f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction{per} "
                 f"({2 * MIN_STAGING_CHUNK_MB * self.io_queues} MiB in all)"
+            )
+        if self.overlap_bytes and not self.pipelined:
+            raise StreamConfigError(
+                "overlap bytes need the pipelined engine (the sync engine moves one bucket at a time)"
+            )
+        if self.overlap_bytes and self.gpu_budget_bytes == AUTO:
+            raise StreamConfigError(
+                'overlap bytes cannot be used with an "auto" GPU budget: it sizes its home from the peaks of '
+                "forward and backward, which the window held through them would change; give the GPU budget in GiB"
             )
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")

@@ -10,6 +10,11 @@ buckets on the device at once. On the disk tier a step reads one slot of each
 bucket and writes the other, and commits only after the last write: a step that
 fails part way is rolled back.
 
+With an overlap window (``config.overlap_bytes``) the step leaves its last
+buckets' writes to :meth:`StreamingStore.progress`, which the caller runs during
+the next forward and backward; once they have landed (and the disk tier has
+committed) it starts reading the next step's first buckets.
+
 The parts, each in its own module: where bytes live and how they move
 (``homes/``), the walk (``step/pipeline.py``), the storage formats
 (``step/codec.py``, ``formats/``), checkpoints (``checkpoint/persistence.py``),
@@ -47,7 +52,7 @@ from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.step.gpu_home import GpuHome
-from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.pipeline import Flight, Pipeline, leading_fit
 from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
@@ -146,6 +151,9 @@ class StreamingStore:
         self.steps_taken = 0
         # Checks the next step must pass first (before_next_step).
         self._step_checks: list[Callable[[], None]] = []
+        # Overlap window: the step whose writes are still landing commits once they have.
+        self._commit_due = False
+        self.carried_peak_bytes = 0  # the most state bytes seen held between steps (accounting)
 
         streamed = _streamed_entries(self.entries, config)
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
@@ -232,11 +240,38 @@ class StreamingStore:
         """The most device memory a step adds to what was allocated before it:
         ``buckets_in_flight`` largest buckets, Adam's temporary and the grads
         ``grad_fn`` makes for one bucket, and the conversion scratch (see the
-        constants above)."""
+        constants above); with an overlap window, the window's buckets too
+        (:attr:`overlap_bytes_bound`: the step ends holding them)."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
         scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
-        return self.config.depth * self.bucket_bytes_max + per_element * largest + CONVERSION_SCRATCH_BYTES + scales
+        in_flight = self.config.depth * self.bucket_bytes_max
+        return in_flight + self.overlap_bytes_bound + per_element * largest + CONVERSION_SCRATCH_BYTES + scales
+
+    @property
+    def overlap_bytes_bound(self) -> int:
+        """The most materialized state the overlap window holds on the device between
+        steps (during forward and backward): the larger of the buckets whose writes
+        the step defers and those read ahead for the next one; at most
+        ``config.overlap_bytes``, 0 without a window."""
+        if not self.config.overlap_bytes:
+            return 0
+        early = leading_fit(self.buckets, self.config.overlap_bytes)
+        return max(sum(b.materialized_bytes for b in early), self._deferred_bytes(self._deferred_buckets()))
+
+    def _deferred_buckets(self) -> frozenset[int]:
+        """The step's last buckets outside the gpu home (whose writes are device copies,
+        nothing to hide) that fit the overlap window: their writes run after the step."""
+        homes = self.placed.homes
+        return frozenset(
+            b.index
+            for b in leading_fit(
+                [b for b in reversed(self.buckets) if homes[b.index] != "gpu"], self.config.overlap_bytes
+            )
+        )
+
+    def _deferred_bytes(self, indices: frozenset[int]) -> int:
+        return sum(self.buckets[i].materialized_bytes for i in indices)
 
     # ---- the contract --------------------------------------------------------
 
@@ -261,6 +296,7 @@ class StreamingStore:
         hung) the store refuses to step again (``rollback.py``).
         """
         self._check_open()
+        self._land(block=True)  # the previous step's deferred writes (no progress() ran since)
         while self._step_checks:
             self._step_checks[0]()  # raises to refuse the step; the check then stays armed
             self._step_checks.pop(0)
@@ -279,7 +315,9 @@ class StreamingStore:
             self._update(flight)
 
         try:
-            self._pipeline.walk(update, stats)
+            self._pipeline.walk(
+                update, stats, defer=self._deferred_buckets() if self.config.overlap_bytes else frozenset()
+            )
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
@@ -290,7 +328,11 @@ class StreamingStore:
             self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
             self._damaged = rollback.undo(exc)
             raise
-        self._backing.commit()
+        if self._pipeline.landing:
+            self._commit_due = True  # by _land, once the deferred writes are home
+            self._note_carried()
+        else:
+            self._backing.commit()
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         self.total.add(stats)
@@ -335,10 +377,52 @@ class StreamingStore:
         """Start reading the first buckets of the next step now (pipelined engine;
         a no-op otherwise, or when already started). Call it as early as the
         caller can, e.g. before the grad-norm reduction: the reads then overlap it.
-        Anything that changes the stored state first drops what was prefetched."""
+        Anything that changes the stored state first drops what was prefetched.
+        With an overlap window, the last step's deferred writes land first (waited
+        for), and the reads fill the window."""
         self._check_open()
         if self.config.pipelined:
-            self._pipeline.prefetch()
+            self._land(block=True)
+            self._pipeline.prefetch(self.config.overlap_bytes)
+
+    def progress(self) -> None:
+        """Move the overlap window along without waiting (a no-op without one): submit
+        the last step's deferred writes and release those that landed; once all
+        have (and the disk tier has committed), start reading the next step's first
+        buckets. Call it often between steps, during forward and backward (the
+        Megatron binding does, before each model chunk's forward). A deferred write
+        that failed is raised here, and the store then refuses to go on."""
+        if not self.config.overlap_bytes or self._closed:
+            return
+        self._check_open()
+        if self._land(block=False):
+            self._pipeline.prefetch(self.config.overlap_bytes, window_only=True)
+        self._note_carried()
+
+    def _land(self, block: bool) -> bool:
+        """Move the deferred writes along (``Pipeline.land``), commit the step that
+        wrote them once all have landed; True then. A failure leaves the store
+        refusing: the model holds that step's params, the store not its state."""
+        if not self._pipeline.landing:
+            return True
+        try:
+            done = self._pipeline.land(block)
+        except Exception as exc:
+            self._damaged = (
+                f"writes of step {self.steps_taken}, deferred past its end by the overlap window, failed ({exc}); "
+                "the model's params are that step's, the stored state is not"
+            )
+            raise StoreUnusableError(
+                f"the optimizer-state store at {self.location}: {self._damaged}. Load a good checkpoint into a "
+                "fresh process"
+            ) from exc
+        if done and self._commit_due:
+            self._backing.commit()
+            self._commit_due = False
+        return done
+
+    def _note_carried(self) -> None:
+        self.carried_peak_bytes = max(self.carried_peak_bytes, self._pipeline.accounting.current)
 
     def drop_prefetch(self) -> None:
         """Release what :meth:`prefetch` read when no step will use it (e.g. the step
@@ -393,6 +477,10 @@ class StreamingStore:
         """Delete the stored state (scratch files or host buffers) and release the directory lock."""
         if self._closed:
             return
+        try:
+            self._land(block=True)  # nothing may free memory a deferred write still reads
+        except StoreUnusableError as exc:
+            logger.warning("closing the optimizer-state store: %s", exc)
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
             self.auto_gpu.unregister(self)
@@ -413,6 +501,7 @@ class StreamingStore:
         """Before touching the stored state outside a step: forget prefetched reads
         (they may hang: the store then refuses), and check the store may go on."""
         self._check_open()
+        self._land(block=True)
         self._pipeline.drop_prefetch()
         self._check_open()
 

@@ -98,6 +98,13 @@ class StreamedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def progress(self) -> None:
+        """With an overlap window (``config.overlap_bytes``): move the state's transfers
+        along between steps without waiting (``StreamingStore.progress``). Call it
+        during forward and backward, e.g. from the model's forward pre-hook; a step
+        or a save lands what is left. A no-op without a window."""
+        self.store.progress()
+
     def iter_state(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Yield (param, main, exp_avg, exp_avg_sq) as CPU copies, bucket by bucket."""
         for index, main, exp_avg, exp_avg_sq in self.store.iter_state():

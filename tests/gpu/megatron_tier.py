@@ -254,6 +254,11 @@ VARIANTS = {
         "--stream-optimizer-state-host-budget-gb",
         "0.02",
     ],
+    # Overlap windows: the whole state held across the step boundary (host), and a few
+    # buckets of it (disk; buckets here are a few MB): writes land during the next forward,
+    # then the next step's first buckets are read (the forward pre-hook's progress()).
+    "overlap_host": ["--stream-optimizer-state-tier", "host", "--stream-optimizer-state-overlap-gb", "4"],
+    "overlap_disk": ["--stream-optimizer-state-overlap-gb", "0.01"],
     # The GPU budget measured after the first step: on an H200 the device has room for every
     # bucket, so they move there mid-run, from host memory and (O_DIRECT) from disk.
     "auto_budgets": [
@@ -408,6 +413,8 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
             "step_device_bytes_bound": step_bound(bindings),
             "placement": {home: sum(b.store.placement[home] for b in bindings) for home in ("gpu", "host", "disk")},
             "gpu_home_bytes": sum(b.store.home_bytes["gpu"] for b in bindings),
+            "carried_peak_bytes": sum(b.store.carried_peak_bytes for b in bindings),
+            "overlap_bytes_bound": sum(b.store.overlap_bytes_bound for b in bindings),
         }
         for b in bindings:
             b.store.close()

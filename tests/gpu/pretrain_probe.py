@@ -148,6 +148,8 @@ def _record_each_step(training, out: str) -> None:
                     placement={h: sum(s.placement[h] for s in stores) for h in ("gpu", "host", "disk")},
                     home_bytes={h: sum(s.home_bytes[h] for s in stores) for h in ("gpu", "host", "disk")},
                     stored_bytes=sum(s.file_bytes_total for s in stores),
+                    overlap_bytes_bound=sum(s.overlap_bytes_bound for s in stores),
+                    carried_peak_bytes=sum(s.carried_peak_bytes for s in stores),
                     step_bytes_moved={
                         "read": sum(s.last_step.bytes_read for s in stores),
                         "written": sum(s.last_step.bytes_written for s in stores),

@@ -113,6 +113,10 @@ def test_streamed_megatron_training_is_byte_identical_to_resident(summaries, npr
             # them), so what a step adds is not measured there.
             if name != "auto_budgets":
                 assert variant["step_added_bytes"] <= variant["step_device_bytes_bound"], f"{where}: {name}"
+        # Overlap windows held state across the step boundary, within their bound.
+        for name in ("overlap_host", "overlap_disk"):
+            variant = rank["variants"][name]
+            assert 0 < variant["carried_peak_bytes"] <= variant["overlap_bytes_bound"], f"{where}: {name}"
         # Budgets placed buckets in every home. The gpu home's stored bytes are allocated
         # before the step (so the added-bytes bound above holds without them) but count in
         # the step's peak: the saving is the one above less what the gpu home keeps.

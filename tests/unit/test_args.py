@@ -201,6 +201,7 @@ def test_on_miles_parser_only_missing_flags_are_added_and_miles_definitions_stay
         "stream_optimizer_state_host_budget_gb",
         "stream_optimizer_state_auto_gpu_margin_gb",
         "stream_optimizer_state_auto_host_margin_gb",
+        "stream_optimizer_state_overlap_gb",
         "stream_optimizer_state_engine",
         "stream_optimizer_state_main_storage",
         "stream_optimizer_state_fp32_param_moments",
@@ -302,6 +303,21 @@ def test_budget_flags_take_auto_and_its_margins_take_gib(capsys):
             f"--stream-optimizer-state-auto-gpu-margin-gb takes a number of GiB, 0 or more (e.g. 2.5), got {bad!r}"
             in (capsys.readouterr().err)
         )
+
+
+def test_the_overlap_flag_takes_gib_and_is_refused_beside_an_auto_gpu_budget(capsys):
+    parser = add_arguments(argparse.ArgumentParser())
+    assert config_from_args(parser.parse_args([]), name="rank0").overlap_bytes == 0
+    args = parser.parse_args(["--stream-optimizer-state-overlap-gb", "2.5"])
+    assert config_from_args(args, name="rank0").overlap_bytes == 5 << 29
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stream-optimizer-state-overlap-gb", "auto"])
+    assert "--stream-optimizer-state-overlap-gb takes a number of GiB, 0 or more (e.g. 2.5), got 'auto'" in (
+        capsys.readouterr().err
+    )
+    args = _ns(stream_optimizer_state_overlap_gb=1.0, stream_optimizer_state_gpu_budget_gb="auto")
+    with pytest.raises(StreamConfigError, match="--stream-optimizer-state-overlap-gb: overlap bytes cannot be used"):
+        validate_args(args)
 
 
 def test_a_budget_set_without_the_parser_is_refused_naming_its_flag():

@@ -42,6 +42,10 @@ class Ticket:
         self._name = name
         self._timeout_s = timeout_s
 
+    def done(self) -> bool:
+        """Whether every transfer has finished (successfully or not); never blocks."""
+        return all(future.done() for future in self._futures)
+
     def wait(self, timeout_s: float | None = None) -> None:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)

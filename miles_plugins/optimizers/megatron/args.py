@@ -132,6 +132,17 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--stream-optimizer-state-overlap-gb",
+        dict(
+            type=lambda text: _gib(text, "--stream-optimizer-state-overlap-gb", auto=False),
+            default=0.0,
+            help="GiB of GPU memory per rank the state may hold across the step boundary, so its transfers run "
+            "during forward and backward: the step's last buckets are written back during the next forward, then "
+            "the next step's first buckets are read (0: every transfer inside optimizer.step()); not with an "
+            "'auto' GPU budget",
+        ),
+    ),
+    (
         "--stream-optimizer-state-engine",
         dict(
             choices=list(ENGINES),
@@ -479,6 +490,7 @@ _SETTING_FLAGS = {
     "host budget bytes": "--stream-optimizer-state-host-budget-gb",
     "auto gpu margin bytes": "--stream-optimizer-state-auto-gpu-margin-gb",
     "auto host margin bytes": "--stream-optimizer-state-auto-host-margin-gb",
+    "overlap bytes": "--stream-optimizer-state-overlap-gb",
     "moment dtype": MOMENT_FLAG,
     "unknown moment dtype": MOMENT_FLAG,
 }
@@ -513,6 +525,7 @@ def config_from_args(args: argparse.Namespace, name: str) -> StreamConfig:
         auto_host_margin_bytes=_bytes_of_gib(
             _get(args, "stream_optimizer_state_auto_host_margin_gb", DEFAULT_AUTO_HOST_MARGIN_BYTES / 2**30)
         ),
+        overlap_bytes=_bytes_of_gib(_get(args, "stream_optimizer_state_overlap_gb", 0.0)),
     )
 
 

@@ -30,6 +30,10 @@ optimizer state:
   from zero); ``--no-load-optim`` starts fresh instead.
 - ``save_parameter_state`` / ``load_parameter_state`` (the legacy checkpoint
   format's per-rank state file): no-ops, for the same reason.
+- with an overlap window (``--stream-optimizer-state-overlap-gb``), a forward
+  pre-hook on each of the optimizer's ``model_chunks`` runs ``store.progress()``:
+  the last step's deferred writes and the next step's first reads then move
+  during forward and backward (once per micro-batch and chunk, never waiting).
 - ``offload_to_cpu`` / ``restore_from_cpu`` (RL phase switches): the streamed
   state is off the GPU already, except the buckets its GPU budget keeps there,
   which move to pinned host memory and back (under an auto GPU budget: back to
@@ -552,6 +556,9 @@ class MegatronBinding:
         ):
             setattr(opt, name, types.MethodType(fn, opt))
         setattr(opt, STORE_ATTR, self)
+        if store.config.overlap_bytes:
+            for chunk in opt.model_chunks:
+                chunk.register_forward_pre_hook(lambda module, args: store.progress())
 
     @torch.no_grad()
     def _reload_mains(self, state_dict: dict | None) -> None:

@@ -15,6 +15,13 @@ computing one, the ones read ahead, the ones still writing), so optimizer state
 on the device is bounded by ``depth`` times the largest bucket; the sync engine
 runs with ``depth`` 1. ``prefetch()`` starts the first reads before the walk.
 
+Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
+the named buckets encoded on the device with their writes not yet submitted;
+``land()`` submits them and retires those done, so they run during the caller's
+next forward; ``prefetch(window_bytes)`` then reads more than ``depth`` buckets
+ahead. The caller keeps the order: a bucket is read only after its deferred
+write has landed (``prefetch`` and ``walk`` refuse while any is pending).
+
 The walker knows nothing of Adam, rollback or checkpoints (the store's
 concerns); on a failure it stops every transfer it started and re-raises.
 """
@@ -35,6 +42,17 @@ from miles_plugins.optimizers.homes.engines import Ticket, Transfer
 from miles_plugins.optimizers.step.adam import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 from miles_plugins.optimizers.step.entries import Entry, StepStats
+
+
+def leading_fit(buckets: Sequence[BucketLayout], nbytes: int) -> list[BucketLayout]:
+    """The longest run of ``buckets``, from the first, whose materialized bytes fit ``nbytes``."""
+    run, total = [], 0
+    for bucket in buckets:
+        total += bucket.materialized_bytes
+        if total > nbytes:
+            break
+        run.append(bucket)
+    return run
 
 
 @dataclass
@@ -83,6 +101,9 @@ class Flight:
     handle: object = None
     reads: Ticket | None = None
     writes: Ticket | None = None
+    # A deferred write (walk's ``defer``): its transfers and the event after its
+    # encoding, until ``land()`` submits them.
+    held: tuple[list[Transfer], torch.cuda.Event | None] | None = None
     converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
 
     def tensors(self, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
@@ -135,18 +156,31 @@ class Pipeline:
         # Buckets whose reads prefetch() started, and what those reads moved.
         self._prefetched: deque[Flight] = deque()
         self._prefetch_stats = StepStats()
+        # Buckets a walk left with deferred writes, oldest first (see land()).
+        self.landing: deque[Flight] = deque()
 
     # ---- the walk ------------------------------------------------------------------
 
-    def walk(self, visit: Callable[[Flight], None], stats: StepStats, *, mains_only: bool = False) -> None:
+    def walk(
+        self,
+        visit: Callable[[Flight], None],
+        stats: StepStats,
+        *,
+        mains_only: bool = False,
+        defer: frozenset[int] = frozenset(),
+    ) -> None:
         """Take every bucket through fetch, ``visit``, store and retire (see the
         module docstring), adding what moved to ``stats``.
 
         ``mains_only``: nothing is read; each bucket's mains are materialized
         for ``visit`` to fill, and written back to the slot they were read
         from (rewriting mains outside a step; the moments stay as they are).
-        On a failure every flight is aborted (:meth:`abort`) and the error re-raised.
+        ``defer``: indices of buckets whose writes wait for :meth:`land` (they stay
+        materialized, outside the ``depth`` count, in :attr:`landing`).
+        On a failure every flight is aborted (:meth:`abort`), those of ``defer`` too,
+        and the error re-raised.
         """
+        self._refuse_while_landing("walk")
         ahead = deque() if mains_only else self._take_prefetched(stats)
         writing: deque[Flight] = deque()
         current = None
@@ -158,23 +192,51 @@ class Pipeline:
                     for _, main in (t for k in range(len(current.entries)) for t in current.tensors(k, False)):
                         self.accounting.materialize(main)
                 else:
-                    self._read_ahead(index + self.depth - 1, ahead, writing, stats)
+                    self._read_ahead(index, index + self.depth - 1, ahead, writing, stats)
                     current = ahead.popleft()
                     self.finish_fetch(current)
                     if index == self.drain_before:
                         while writing:
                             self._retire_oldest(writing)
                 visit(current)
-                self.store(current, stats, moments=not mains_only)
-                writing.append(current)
+                deferred = index in defer
+                self.store(current, stats, moments=not mains_only, submit=not deferred)
+                (self.landing if deferred else writing).append(current)
                 current = None
             while writing:
                 self._retire_oldest(writing)
         except BaseException as exc:
             # After a timeout nothing more is waited for: the deadline has passed.
             wait_s = 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s
-            self.abort([*ahead, *writing, *([current] if current else [])], wait_s)
+            landing, self.landing = list(self.landing), deque()
+            self.abort([*ahead, *writing, *landing, *([current] if current else [])], wait_s)
             raise
+
+    def land(self, block: bool) -> bool:
+        """Move the deferred writes along: submit those not yet submitted, then retire
+        (wait for and release) the oldest while done, or all of them with ``block``.
+        True when none is left. On an error the rest are aborted and it is
+        re-raised; an interrupt leaves them pending for a later call."""
+        try:
+            for flight in self.landing:
+                if flight.held is not None:
+                    transfers, ready = flight.held
+                    flight.held = None
+                    flight.writes = self.engine.write(flight.handle, transfers, ready)
+            while self.landing and (block or self.landing[0].writes.done()):
+                self._retire_oldest(self.landing)
+        except Exception as exc:
+            landing, self.landing = list(self.landing), deque()
+            self.abort(landing, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
+            raise
+        return not self.landing
+
+    def _refuse_while_landing(self, what: str) -> None:
+        if self.landing:
+            raise RuntimeError(
+                f"{what} with {len(self.landing)} deferred writes still pending: a bucket would be read "
+                "before its last write landed (the store lands them first)"
+            )
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
@@ -192,13 +254,19 @@ class Pipeline:
 
     # ---- prefetch --------------------------------------------------------------------
 
-    def prefetch(self) -> None:
-        """Start reading the first ``depth`` buckets of the next walk (a no-op when
-        already started)."""
+    def prefetch(self, window_bytes: int = 0, window_only: bool = False) -> None:
+        """Start reading the first buckets of the next walk: ``depth`` of them, or
+        more while their materialized bytes fit ``window_bytes`` (only those with
+        ``window_only``); a no-op when already started."""
         if self._prefetched:
             return
+        self._refuse_while_landing("prefetch")
+        fit = len(leading_fit(self.buckets, window_bytes))
+        room = fit if window_only else max(self.depth, fit)
+        if not room:
+            return
         try:
-            self._read_ahead(self.depth - 1, self._prefetched, deque(), self._prefetch_stats)
+            self._read_ahead(0, room - 1, self._prefetched, deque(), self._prefetch_stats, room)
         except BaseException:
             self.drop_prefetch()
             raise
@@ -254,8 +322,9 @@ class Pipeline:
         )
         flight.converts.clear()
 
-    def store(self, flight: Flight, stats: StepStats, moments: bool = True) -> None:
-        """Encode the bucket's mains (and moments) in place and submit their writes.
+    def store(self, flight: Flight, stats: StepStats, moments: bool = True, submit: bool = True) -> None:
+        """Encode the bucket's mains (and moments) in place and submit their writes
+        (or, without ``submit``, hold them for :meth:`land`).
         Encoding runs on the device, before the host copy: a same-dtype
         device->host copy is far faster than a converting one. The fp32 values
         are gone afterwards; the bucket is released when retired."""
@@ -271,7 +340,10 @@ class Pipeline:
             stats.bytes_written += segment.entry_nbytes[k]
         # The writer threads copy on their own streams, after the update and the
         # encoding queued on this one.
-        flight.writes = self.engine.write(flight.handle, transfers, self._ready_event())
+        if submit:
+            flight.writes = self.engine.write(flight.handle, transfers, self._ready_event())
+        else:
+            flight.held = (transfers, self._ready_event())
         stats.buckets += 1
 
     def _ready_event(self) -> torch.cuda.Event | None:
@@ -282,21 +354,30 @@ class Pipeline:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _make_room(self, ahead: deque[Flight], writing: deque[Flight]) -> bool:
-        """Retire the oldest writes until another bucket may be materialized; False
-        when the buckets in flight are all still being read or computed."""
-        while len(ahead) + len(writing) >= self.depth:
+    def _make_room(self, ahead: deque[Flight], writing: deque[Flight], room: int | None = None) -> bool:
+        """Retire the oldest writes until another bucket may be materialized (at most
+        ``room`` in flight, default ``depth``); False when the buckets in flight are
+        all still being read or computed."""
+        while len(ahead) + len(writing) >= (room or self.depth):
             if not writing:
                 return False
             self._retire_oldest(writing)
         return True
 
-    def _read_ahead(self, last: int, ahead: deque[Flight], writing: deque[Flight], stats: StepStats) -> None:
-        """Start fetching buckets up to index ``last``, after those in ``ahead``,
-        while the buckets in flight allow it."""
-        started = (ahead[-1].bucket.index + 1) if ahead else (writing[-1].bucket.index + 1 if writing else 0)
+    def _read_ahead(
+        self,
+        first: int,
+        last: int,
+        ahead: deque[Flight],
+        writing: deque[Flight],
+        stats: StepStats,
+        room: int | None = None,
+    ) -> None:
+        """Start fetching buckets ``first`` to ``last``, after those in ``ahead``,
+        while the buckets in flight allow it (``_make_room``)."""
+        started = (ahead[-1].bucket.index + 1) if ahead else first
         for index in range(started, min(last, len(self.buckets) - 1) + 1):
-            if not self._make_room(ahead, writing):
+            if not self._make_room(ahead, writing, room):
                 return
             ahead.append(self.fetch(index, stats))
 
@@ -344,7 +425,7 @@ class Pipeline:
             if stuck:
                 hung = True
                 continue
-            flight.reads = flight.writes = None
+            flight.reads = flight.writes = flight.held = None
             self._release(flight)
         self.hung = self.hung or hung
         return hung

@@ -1,0 +1,147 @@
+"""The overlap window (``StreamConfig.overlap_bytes``): state held across the step
+boundary so its transfers run between steps, judged against an independent
+resident run (``reference.reference_run``), never against the store itself.
+
+The "forward" here is the reference's loss computation, with ``progress()`` called
+before it and between it and the backward, as the Megatron binding's forward
+pre-hook calls it once per micro-batch.
+"""
+
+import pytest
+import torch
+
+from miles_plugins.optimizers import StreamConfig, StreamConfigError
+from miles_plugins.optimizers.errors import StoreUnusableError
+from tests.faults import FaultPlan
+from tests.unit.reference import assert_same_training, between_steps, loss_fn, reference_run
+from tests.unit.test_checkpoint import STEPS, fresh, state_of
+
+SAVE_AT = 9
+
+
+def _bucket_bytes(streamed) -> list[int]:
+    return [b.materialized_bytes for b in streamed.store.buckets]
+
+
+def _train(model, optimizer, scheduler, streamed, steps, held=None):
+    """The reference's loop with ``progress()`` during the "forward"; ``held`` collects
+    the state bytes on the device between steps."""
+    for step in steps:
+        streamed.progress()
+        loss = loss_fn(model, step)
+        streamed.progress()
+        if held is not None:
+            held.append(streamed.store._pipeline.accounting.current)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+
+
+def _window(streamed, buckets: int | None) -> int:
+    """The bytes of the largest ``buckets`` buckets (all of them with None)."""
+    sizes = sorted(_bucket_bytes(streamed), reverse=True)
+    return sum(sizes if buckets is None else sizes[:buckets])
+
+
+MODES = [
+    ("disk", "fp32", "fp32"),
+    ("disk", "remainder", "8bit"),
+    ("host", "fp32", "fp32"),
+    ("host", "remainder", "bf16"),
+]
+
+
+@pytest.mark.parametrize("buckets", [2, None], ids=["two-buckets", "whole-state"])
+@pytest.mark.parametrize("tier, main_storage, moment_dtype", MODES, ids=["-".join(m) for m in MODES])
+def test_the_window_changes_when_transfers_run_not_what_they_compute(
+    tmp_path, tier, main_storage, moment_dtype, buckets
+):
+    """Byte-identical to the run without a window (fp32 moments: to the resident
+    reference), moving the same bytes, with the state held between steps within
+    its bound; a save with writes still landing, and a resume, change nothing."""
+    config = dict(tier=tier, main_storage=main_storage, moment_dtype=moment_dtype)
+    probe = fresh(tmp_path / "probe", "rank0", **config)[3]
+    window = _window(probe, buckets)
+    probe.close()
+
+    plain = fresh(tmp_path / "plain", "rank0", **config)
+    _train(*plain, range(STEPS))
+    model, optimizer, scheduler, streamed = fresh(tmp_path / "window", "rank0", overlap_bytes=window, **config)
+    store = streamed.store
+    assert 0 < store.overlap_bytes_bound <= window
+    held = []
+    _train(model, optimizer, scheduler, streamed, range(SAVE_AT), held)
+    assert store._pipeline.landing, "the last step's writes must still be pending after it"
+    streamed.save_to(str(tmp_path / "ckpt"))  # lands them first
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt" / "rest.pt")
+    _train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS), held)
+
+    assert_same_training(state_of(*plain[::3]), state_of(model, streamed))
+    if moment_dtype == "fp32":
+        assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    moved = (store.total.bytes_read, store.total.bytes_written)
+    assert moved == (plain[3].store.total.bytes_read, plain[3].store.total.bytes_written)
+    assert max(held) > 0, "the window must hold state between steps"
+    assert max(held) <= store.overlap_bytes_bound and store.carried_peak_bytes <= store.overlap_bytes_bound
+    plain[3].close()
+    streamed.close()
+
+    # A resume from the save taken while writes were landing, with the window on.
+    model, optimizer, scheduler, streamed = fresh(tmp_path / "resumed", "rank0", overlap_bytes=window, **config)
+    rest = torch.load(tmp_path / "ckpt" / "rest.pt")
+    model.load_state_dict(rest["model"])
+    scheduler.load_state_dict(rest["scheduler"])
+    assert streamed.load_from(str(tmp_path / "ckpt"))
+    _train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS))
+    plain = fresh(tmp_path / "plain2", "rank0", **config)
+    _train(*plain, range(STEPS))
+    assert_same_training(state_of(*plain[::3]), state_of(model, streamed))
+    plain[3].close()
+    streamed.close()
+
+
+def test_reads_start_only_after_the_deferred_writes_landed(tmp_path):
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
+    store, pipeline = streamed.store, streamed.store._pipeline
+    _train(model, optimizer, scheduler, streamed, range(2))
+    deferred = {f.bucket.index for f in pipeline.landing}
+    assert deferred == {b.index for b in store.buckets}, "a window larger than the state defers every write"
+    committed = store._backing.committed if hasattr(store._backing, "committed") else None
+    while not store._land(block=False):
+        assert not pipeline._prefetched
+    streamed.progress()
+    assert len(pipeline._prefetched) == len(store.buckets), "then the window reads the whole next step ahead"
+    assert committed is None or store._backing.committed != committed
+    streamed.close()
+
+
+def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path):
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
+    _train(model, optimizer, scheduler, streamed, range(3))
+    loss_fn(model, 3).backward()
+    optimizer.step()  # returns with its writes deferred
+    with FaultPlan(tmp_path / "scratch", "write", nth=1, fault="eio") as plan:
+        with pytest.raises(StoreUnusableError, match=r"writes of step 4, deferred .* failed .*Input/output error"):
+            while True:
+                streamed.progress()
+    assert plan.fired == 1
+    for refused in (optimizer.step, lambda: streamed.save_to(str(tmp_path / "ckpt")), streamed.progress):
+        with pytest.raises(StoreUnusableError, match="step 4"):
+            refused()
+    streamed.close()
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(engine="sync"), "overlap bytes need the pipelined engine"),
+        (dict(gpu_budget_bytes="auto"), 'cannot be used with an "auto" GPU budget'),
+        (dict(overlap_bytes=-1), "overlap bytes must be a whole number of bytes"),
+    ],
+    ids=["sync-engine", "auto-gpu-budget", "negative"],
+)
+def test_a_window_the_store_cannot_keep_is_refused(tmp_path, config, message):
+    config = {"overlap_bytes": 1 << 20, **config}
+    with pytest.raises(StreamConfigError, match=message):
+        StreamConfig(directory=str(tmp_path), **config)
