@@ -29,6 +29,12 @@ invocation: ``hidden = 1 - grown / in_step of X``; its ``carried_gb`` is the sta
 window held between steps. The probe synchronizes the device after each step to time
 it; a window's writes are submitted only at the next forward, so none is waited there.
 
+The disk modes' bound: before the runs, the drive of ``--disk-dir`` is measured as the
+disk tier uses it (:func:`drive_seconds_per_gb`: 4 GiB written while 4 GiB are read,
+direct I/O); a disk run's ``drive_bound_s`` is that rate times the larger direction of
+what its step moves, and ``x_bound`` its s/iter against the larger of that and
+resident's forward and backward.
+
 A call of the GPU machine lasts at most 600 s, and a run about one to three minutes: each
 invocation runs what fits before ``--deadline-s`` (a run gets the time left, its stop's
 grace included, up to ``--run-timeout-s``, and is not started with less than
@@ -41,6 +47,7 @@ keeping its own invocation's ratios and naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -156,9 +163,10 @@ def timings_from_log(log: str) -> dict:
     }
 
 
-def summarize(runs: dict[str, dict]) -> dict[str, dict]:
+def summarize(runs: dict[str, dict], drive: dict | None = None) -> dict[str, dict]:
     """Per run: s/iter, ratios, the step's seconds and the transfers' share hidden
-    (module docstring), from the third iteration on."""
+    (module docstring), from the third iteration on; with ``drive``
+    (:func:`drive_seconds_per_gb`), each disk run's bound (:func:`_drive_bounds`)."""
     out: dict[str, dict] = {}
     for name, run in runs.items():
         seconds = run.get("seconds", [])[2:]
@@ -176,8 +184,26 @@ def summarize(runs: dict[str, dict]) -> dict[str, dict]:
             "overlap_bound_gb": round(probe[-1].get("overlap_bytes_bound", 0) / 1e9, 2) if probe else None,
         }
     _ratios(out, "resident", "x_resident", names=list(out))
+    if drive:
+        _drive_bounds(out, runs, drive)
     _ratios(out, "megatron-dev@0", "x_dev_off", names=[n for n in out if n.startswith("megatron-dev@")])
     return out
+
+
+def _drive_bounds(out: dict[str, dict], runs: dict[str, dict], drive: dict) -> None:
+    """A run whose state is on disk: the drive's seconds for the bytes its step moves
+    (the larger direction, both running at once as measured), and s/iter against the
+    larger of that and resident's forward and backward (its s/iter less its step)."""
+    base = out.get("resident")
+    for name, row in out.items():
+        probe = runs[name].get("probe") or []
+        if not row["ok"] or not probe or not (probe[-1].get("placement") or {}).get("disk"):
+            continue
+        moved = probe[-1]["step_bytes_moved"]
+        row["drive_bound_s"] = round(max(moved["read"], moved["written"]) / 1e9 * drive["s_per_gb_each_way"], 3)
+        if base and base["ok"]:
+            forward_backward = base["s_per_iter"] - base["step_s"]
+            row["x_bound"] = round(row["s_per_iter"] / max(forward_backward, row["drive_bound_s"]), 3)
 
 
 def _ratios(out: dict[str, dict], base_name: str, key: str, names: list[str]) -> None:
@@ -198,6 +224,61 @@ def _ratios(out: dict[str, dict], base_name: str, key: str, names: list[str]) ->
             twin = out.get(name.split(OVERLAP)[0]) if OVERLAP in name else row
             if twin and twin.get("in_step_s") is not None and twin["in_step_s"] >= HIDDEN_FROM_S:
                 row["hidden"] = round(1 - row["grown_s"] / twin["in_step_s"], 3)
+
+
+DRIVE_PROBE_BYTES = 4 << 30  # per direction
+DRIVE_CHUNK = 16 << 20
+
+
+def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES) -> dict:
+    """The disk directory's drive, as the disk tier uses it: ``nbytes`` written to one
+    file while ``nbytes`` are read from another (written first), in 16 MiB requests
+    with ``O_DIRECT`` where the filesystem takes it. Seconds per GB moved each way."""
+    import mmap
+    import threading
+
+    os.makedirs(directory, exist_ok=True)
+    src, dst = os.path.join(directory, "drive-probe-read"), os.path.join(directory, "drive-probe-write")
+    direct = getattr(os, "O_DIRECT", 0)
+
+    def open_(path: str):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | direct), bool(direct)
+        except OSError:
+            return os.open(path, os.O_RDWR | os.O_CREAT), False
+
+    def stream(fd: int, write: bool, buffer) -> None:
+        view = memoryview(buffer)
+        for offset in range(0, nbytes, DRIVE_CHUNK):
+            moved = os.pwritev(fd, [view], offset) if write else os.preadv(fd, [view], offset)
+            if moved != DRIVE_CHUNK:
+                raise OSError(f"drive probe: short {'write' if write else 'read'} at {offset}")
+        if write:
+            os.fsync(fd)
+
+    buffers = [mmap.mmap(-1, DRIVE_CHUNK), mmap.mmap(-1, DRIVE_CHUNK)]  # page-aligned, as O_DIRECT needs
+    fds = []
+    try:
+        (read_fd, direct_ok), (write_fd, _) = open_(src), open_(dst)
+        fds = [read_fd, write_fd]
+        stream(read_fd, True, buffers[0])
+        threads = [
+            threading.Thread(target=stream, args=(read_fd, False, buffers[0])),
+            threading.Thread(target=stream, args=(write_fd, True, buffers[1])),
+        ]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for path in (src, dst):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    return {"bytes_each_way": nbytes, "direct": direct_ok, "s_per_gb_each_way": round(seconds / (nbytes / 1e9), 4)}
 
 
 def filesystem_of(path: str) -> str:
@@ -309,6 +390,9 @@ def measure(args: argparse.Namespace) -> None:
         disk = os.path.abspath(args.disk_dir or os.path.join(tmp, "nvme"))
         report["disk_dir"] = {"path": disk, "filesystem": filesystem_of(disk)}
         plan = [(m, tree, ["--offload-train-disk-dir", disk, *MODES[m]] if MODES[m] else []) for m in modes]
+        if any("disk" in m for m in modes):
+            report["drive"] = drive_seconds_per_gb(disk)
+            print(f"[iteration] drive: {report['drive']}", file=sys.stderr, flush=True)
         plan += [(f"megatron-dev@{f:g}", os.path.abspath(dev), dev_flags(f)) for f in fractions]
         for name, cwd, flags in plan:
             timeout = run_timeout(deadline - time.perf_counter(), args.run_timeout_s)
@@ -319,9 +403,9 @@ def measure(args: argparse.Namespace) -> None:
             report["runs"][name] = _run(
                 name, command(args.iters, flags), cwd, environment(probe_out), probe_out, timeout, args.iters
             )
-            report["summary"] = summarize(report["runs"])
+            report["summary"] = summarize(report["runs"], report.get("drive"))
             _write(report, args.out)  # after every run: a call cut short keeps what it measured
-    report["summary"] = summarize(report["runs"])
+    report["summary"] = summarize(report["runs"], report.get("drive"))
     _write(report, args.out)
     print(json.dumps(report["summary"], indent=1))
     if report["skipped"]:

@@ -184,10 +184,9 @@ class StreamConfig:
             backward instead of inside the step (0, the default: every transfer
             inside ``optimizer.step()``). The step leaves its last buckets outside
             the gpu home that fit it encoded on the device, and their writes run
-            from the caller's next :meth:`~StreamingStore.progress`; once they have
-            landed, the next step's first buckets that fit it are read. Neither
-            set ever exceeds it, and the two are never held at once; the step's
-            own bound grows by it. Not with an ``"auto"`` GPU budget (which sizes
+            from the caller's next :meth:`~StreamingStore.progress`; the next
+            step's first buckets are read into the room their landing leaves.
+            Both together never exceed it; the step's own bound grows by it. Not with an ``"auto"`` GPU budget (which sizes
             its home from the peaks this window would change).
         drive_ranks: processes of this node that share the state directories
             and set up at once (Megatron's ``attach`` counts the node's ranks):

@@ -12,8 +12,8 @@ fails part way is rolled back.
 
 With an overlap window (``config.overlap_bytes``) the step leaves its last
 buckets' writes to :meth:`StreamingStore.progress`, which the caller runs during
-the next forward and backward; once they have landed (and the disk tier has
-committed) it starts reading the next step's first buckets.
+the next forward and backward; as they land it reads the next step's first
+buckets into the room they leave.
 
 The parts, each in its own module: where bytes live and how they move
 (``homes/``), the walk (``step/pipeline.py``), the storage formats
@@ -151,8 +151,6 @@ class StreamingStore:
         self.steps_taken = 0
         # Checks the next step must pass first (before_next_step).
         self._step_checks: list[Callable[[], None]] = []
-        # Overlap window: the step whose writes are still landing commits once they have.
-        self._commit_due = False
         self.carried_peak_bytes = 0  # the most state bytes seen held between steps (accounting)
 
         streamed = _streamed_entries(self.entries, config)
@@ -251,13 +249,14 @@ class StreamingStore:
     @property
     def overlap_bytes_bound(self) -> int:
         """The most materialized state the overlap window holds on the device between
-        steps (during forward and backward): the larger of the buckets whose writes
-        the step defers and those read ahead for the next one; at most
-        ``config.overlap_bytes``, 0 without a window."""
-        if not self.config.overlap_bytes:
+        steps (during forward and backward): the buckets whose writes the step
+        defers and those read ahead for the next one, which fit the window
+        together (``Pipeline.prefetch``); 0 without a window."""
+        window = self.config.overlap_bytes
+        if not window:
             return 0
-        early = leading_fit(self.buckets, self.config.overlap_bytes)
-        return max(sum(b.materialized_bytes for b in early), self._deferred_bytes(self._deferred_buckets()))
+        early = sum(b.materialized_bytes for b in leading_fit(self.buckets, window))
+        return min(window, early + self._deferred_bytes(self._deferred_buckets()))
 
     def _deferred_buckets(self) -> frozenset[int]:
         """The step's last buckets outside the gpu home (whose writes are device copies,
@@ -328,11 +327,11 @@ class StreamingStore:
             self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
             self._damaged = rollback.undo(exc)
             raise
-        if self._pipeline.landing:
-            self._commit_due = True  # by _land, once the deferred writes are home
-            self._note_carried()
-        else:
-            self._backing.commit()
+        # With deferred writes still landing too: no roll-back is left to need the previous
+        # slot (a late failure leaves the store refusing), and their buckets are read only
+        # once they have landed.
+        self._backing.commit()
+        self._note_carried()
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         self.total.add(stats)
@@ -387,22 +386,22 @@ class StreamingStore:
 
     def progress(self) -> None:
         """Move the overlap window along without waiting (a no-op without one): submit
-        the last step's deferred writes and release those that landed; once all
-        have (and the disk tier has committed), start reading the next step's first
-        buckets. Call it often between steps, during forward and backward (the
+        the last step's deferred writes, release those that landed, and read the
+        next step's first buckets into the room they left (never one still
+        landing). Call it often between steps, during forward and backward (the
         Megatron binding does, before each model chunk's forward). A deferred write
         that failed is raised here, and the store then refuses to go on."""
         if not self.config.overlap_bytes or self._closed:
             return
         self._check_open()
-        if self._land(block=False):
-            self._pipeline.prefetch(self.config.overlap_bytes, window_only=True)
+        self._land(block=False)
+        self._pipeline.prefetch(self.config.overlap_bytes, window_only=True)
         self._note_carried()
 
     def _land(self, block: bool) -> bool:
-        """Move the deferred writes along (``Pipeline.land``), commit the step that
-        wrote them once all have landed; True then. A failure leaves the store
-        refusing: the model holds that step's params, the store not its state."""
+        """Move the deferred writes along (``Pipeline.land``); True once all have
+        landed. A failure leaves the store refusing: the model holds that step's
+        params, the store not its state."""
         if not self._pipeline.landing:
             return True
         try:
@@ -416,9 +415,6 @@ class StreamingStore:
                 f"the optimizer-state store at {self.location}: {self._damaged}. Load a good checkpoint into a "
                 "fresh process"
             ) from exc
-        if done and self._commit_due:
-            self._backing.commit()
-            self._commit_due = False
         return done
 
     def _note_carried(self) -> None:

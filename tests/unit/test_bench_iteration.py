@@ -102,6 +102,31 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
     assert host["placement"] == {"gpu": 1}
 
 
+def test_an_overlap_mode_is_judged_against_its_twin_and_a_disk_mode_against_its_drive():
+    runs = {
+        "resident": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1]),
+        "host": _run([9.0, 5.0, 2.4, 2.4, 2.4], [3.0, 3.0, 0.5, 0.5, 0.5]),
+        # Its own step grew by 0.1 s only: the share is of its twin's 0.4 s, of which 0.1 s still shows.
+        "host+overlap": _run([9.0, 5.0, 2.1, 2.1, 2.1], [3.0, 3.0, 0.2, 0.2, 0.2]),
+        "disk": _run([9.0, 5.0, 6.0, 6.0, 6.0], [3.0, 3.0, 4.1, 4.1, 4.1]),
+    }
+    for record in runs["disk"]["probe"]:
+        record.update(placement={"disk": 3}, step_bytes_moved={"read": 4e9, "written": 5e9})
+    drive = {"bytes_each_way": 1 << 30, "direct": True, "s_per_gb_each_way": 0.8}
+    summary = iteration.summarize(runs, drive)
+    assert summary["host+overlap"]["hidden"] == 0.75
+    # 5 GB written at 0.8 s/GB: 4 s, above forward and backward (1.9 s).
+    assert summary["disk"]["drive_bound_s"] == 4.0 and summary["disk"]["x_bound"] == 1.5
+    assert "drive_bound_s" not in summary["host"]
+
+
+def test_the_drive_is_measured_reading_and_writing_at_once(tmp_path):
+    drive = iteration.drive_seconds_per_gb(str(tmp_path / "nvme"), nbytes=4 * iteration.DRIVE_CHUNK)
+    assert drive["bytes_each_way"] == 4 * iteration.DRIVE_CHUNK and drive["s_per_gb_each_way"] > 0
+    assert isinstance(drive["direct"], bool)
+    assert not list((tmp_path / "nvme").iterdir()), "the probe's files are removed"
+
+
 def test_a_run_past_its_time_is_stopped_and_reported(tmp_path):
     script = "import time; print('started', flush=True); time.sleep(60)"
     run = iteration._run(

@@ -101,18 +101,39 @@ def test_the_window_changes_when_transfers_run_not_what_they_compute(
     streamed.close()
 
 
-def test_reads_start_only_after_the_deferred_writes_landed(tmp_path):
+def test_a_bucket_is_read_only_after_its_write_landed_and_the_window_is_never_exceeded(tmp_path):
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
     store, pipeline = streamed.store, streamed.store._pipeline
     _train(model, optimizer, scheduler, streamed, range(2))
     deferred = {f.bucket.index for f in pipeline.landing}
     assert deferred == {b.index for b in store.buckets}, "a window larger than the state defers every write"
-    committed = store._backing.committed if hasattr(store._backing, "committed") else None
-    while not store._land(block=False):
-        assert not pipeline._prefetched
+    while pipeline.landing:
+        streamed.progress()
+        landing = {f.bucket.index for f in pipeline.landing}
+        read = [f.bucket.index for f in pipeline._prefetched]
+        assert read == list(range(len(read))), "reads go in walk order"
+        assert not landing & set(read) and (not landing or max(read, default=-1) < min(landing))
     streamed.progress()
     assert len(pipeline._prefetched) == len(store.buckets), "then the window reads the whole next step ahead"
-    assert committed is None or store._backing.committed != committed
+    streamed.close()
+
+
+def test_reads_fill_only_the_room_the_landed_writes_left(tmp_path):
+    probe = fresh(tmp_path / "probe", "rank0")[3]
+    sizes = [b.materialized_bytes for b in probe.store.buckets]
+    probe.close()
+    window = sum(sizes[-3:])  # the last three buckets' writes fill it
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=window)
+    store, pipeline = streamed.store, streamed.store._pipeline
+    _train(model, optimizer, scheduler, streamed, range(2))
+    assert [f.bucket.index for f in pipeline.landing] == list(range(len(sizes) - 3, len(sizes)))
+    seen = []
+    while pipeline.landing or not pipeline._prefetched:
+        streamed.progress()
+        held = sum(f.bucket.materialized_bytes for f in (*pipeline.landing, *pipeline._prefetched))
+        assert held <= store.overlap_bytes_bound <= window
+        seen.append(len(pipeline._prefetched))
+    assert seen[-1] >= 1
     streamed.close()
 
 

@@ -18,9 +18,9 @@ runs with ``depth`` 1. ``prefetch()`` starts the first reads before the walk.
 Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
 the named buckets encoded on the device with their writes not yet submitted;
 ``land()`` submits them and retires those done, so they run during the caller's
-next forward; ``prefetch(window_bytes)`` then reads more than ``depth`` buckets
-ahead. The caller keeps the order: a bucket is read only after its deferred
-write has landed (``prefetch`` and ``walk`` refuse while any is pending).
+next forward; ``prefetch(window_bytes)`` reads more than ``depth`` buckets ahead,
+as the landed writes make room, never past a bucket still landing (a bucket is
+read only after its last write), and ``walk`` refuses while any is.
 
 The walker knows nothing of Adam, rollback or checkpoints (the store's
 concerns); on a failure it stops every transfer it started and re-raises.
@@ -180,7 +180,11 @@ class Pipeline:
         On a failure every flight is aborted (:meth:`abort`), those of ``defer`` too,
         and the error re-raised.
         """
-        self._refuse_while_landing("walk")
+        if self.landing:
+            raise RuntimeError(
+                f"a walk with {len(self.landing)} deferred writes still pending: a bucket would be read "
+                "before its last write landed (the store lands them first)"
+            )
         ahead = deque() if mains_only else self._take_prefetched(stats)
         writing: deque[Flight] = deque()
         current = None
@@ -231,13 +235,6 @@ class Pipeline:
             raise
         return not self.landing
 
-    def _refuse_while_landing(self, what: str) -> None:
-        if self.landing:
-            raise RuntimeError(
-                f"{what} with {len(self.landing)} deferred writes still pending: a bucket would be read "
-                "before its last write landed (the store lands them first)"
-            )
-
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
         """Bucket ``index`` materialized and read (one at a time), released afterwards."""
@@ -255,18 +252,18 @@ class Pipeline:
     # ---- prefetch --------------------------------------------------------------------
 
     def prefetch(self, window_bytes: int = 0, window_only: bool = False) -> None:
-        """Start reading the first buckets of the next walk: ``depth`` of them, or
-        more while their materialized bytes fit ``window_bytes`` (only those with
-        ``window_only``); a no-op when already started."""
-        if self._prefetched:
-            return
-        self._refuse_while_landing("prefetch")
-        fit = len(leading_fit(self.buckets, window_bytes))
-        room = fit if window_only else max(self.depth, fit)
-        if not room:
+        """Start, or extend, reading the first buckets of the next walk: ``depth`` of
+        them, or more while their materialized bytes fit ``window_bytes`` (only those
+        with ``window_only``). Buckets still in :attr:`landing` count against the
+        window, and the reads stop before the first of them: a bucket is read
+        only after its last write has landed."""
+        landing = {f.bucket.index: f.bucket.materialized_bytes for f in self.landing}
+        fit = len(leading_fit(self.buckets, window_bytes - sum(landing.values())))
+        count = min(fit if window_only else max(self.depth, fit), min(landing, default=len(self.buckets)))
+        if count <= len(self._prefetched):
             return
         try:
-            self._read_ahead(0, room - 1, self._prefetched, deque(), self._prefetch_stats, room)
+            self._read_ahead(0, count - 1, self._prefetched, deque(), self._prefetch_stats, count)
         except BaseException:
             self.drop_prefetch()
             raise
