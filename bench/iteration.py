@@ -230,10 +230,11 @@ DRIVE_PROBE_BYTES = 4 << 30  # per direction
 DRIVE_CHUNK = 16 << 20
 
 
-def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES) -> dict:
+def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES, threads: int | None = None) -> dict:
     """The disk directory's drive, as the disk tier uses it: ``nbytes`` written to one
-    file while ``nbytes`` are read from another (written first), in 16 MiB requests
-    with ``O_DIRECT`` where the filesystem takes it. Seconds per GB moved each way."""
+    file while ``nbytes`` are read from another (written first), in 16 MiB requests,
+    ``threads`` in flight per direction (default: the engine's ``io_threads``), with
+    ``O_DIRECT`` where the filesystem takes it. Seconds per GB moved each way."""
     import mmap
     import threading
 
@@ -247,30 +248,35 @@ def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES) -> dic
         except OSError:
             return os.open(path, os.O_RDWR | os.O_CREAT), False
 
-    def stream(fd: int, write: bool, buffer) -> None:
+    from miles_plugins.optimizers.config import DEFAULT_IO_THREADS
+
+    threads = threads or DEFAULT_IO_THREADS
+
+    def stream(fd: int, write: bool, buffer, first: int = 0, step: int = 1) -> None:
         view = memoryview(buffer)
-        for offset in range(0, nbytes, DRIVE_CHUNK):
+        for offset in range(first * DRIVE_CHUNK, nbytes, step * DRIVE_CHUNK):
             moved = os.pwritev(fd, [view], offset) if write else os.preadv(fd, [view], offset)
             if moved != DRIVE_CHUNK:
                 raise OSError(f"drive probe: short {'write' if write else 'read'} at {offset}")
         if write:
             os.fsync(fd)
 
-    buffers = [mmap.mmap(-1, DRIVE_CHUNK), mmap.mmap(-1, DRIVE_CHUNK)]  # page-aligned, as O_DIRECT needs
+    buffers = [mmap.mmap(-1, DRIVE_CHUNK) for _ in range(2 * threads)]  # page-aligned, as O_DIRECT needs
     fds = []
     try:
         (read_fd, direct_ok), (write_fd, _) = open_(src), open_(dst)
         fds = [read_fd, write_fd]
         stream(read_fd, True, buffers[0])
-        threads = [
-            threading.Thread(target=stream, args=(read_fd, False, buffers[0])),
-            threading.Thread(target=stream, args=(write_fd, True, buffers[1])),
+        workers = [
+            threading.Thread(target=stream, args=(fd, fd == write_fd, buffers[2 * t + (fd == write_fd)], t, threads))
+            for fd in (read_fd, write_fd)
+            for t in range(threads)
         ]
         start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
         seconds = time.perf_counter() - start
     finally:
         for fd in fds:
@@ -278,7 +284,12 @@ def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES) -> dic
         for path in (src, dst):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-    return {"bytes_each_way": nbytes, "direct": direct_ok, "s_per_gb_each_way": round(seconds / (nbytes / 1e9), 4)}
+    return {
+        "bytes_each_way": nbytes,
+        "threads_each_way": threads,
+        "direct": direct_ok,
+        "s_per_gb_each_way": round(seconds / (nbytes / 1e9), 4),
+    }
 
 
 def filesystem_of(path: str) -> str:
@@ -442,11 +453,13 @@ def _plot(summary: dict, path: str) -> None:
 
     plt = pyplot()
     names = [n for n, row in summary.items() if row["ok"]]
-    fig, ax = plt.subplots(figsize=(max(6, len(names)), 4))
-    ax.bar(names, [summary[n]["s_per_iter"] for n in names])
-    ax.set_ylabel("s / iteration (median from the third)")
-    ax.set_title("pretrain_gpt.py, 1.15B GPT, one GPU")
-    ax.tick_params(axis="x", rotation=30)
+    fig, (time_ax, memory_ax) = plt.subplots(2, 1, sharex=True, figsize=(max(6, len(names)), 6))
+    time_ax.bar(names, [summary[n]["s_per_iter"] for n in names])
+    time_ax.set_ylabel("s / iteration\n(median from the third)")
+    time_ax.set_title("pretrain_gpt.py, 1.15B GPT, one GPU")
+    memory_ax.bar(names, [summary[n]["max_reserved_mb"] / 1024 for n in names], color="tab:orange")
+    memory_ax.set_ylabel("device peak reserved, GiB")
+    memory_ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path)
 
