@@ -260,14 +260,11 @@ class StreamingStore:
 
     def _deferred_buckets(self) -> frozenset[int]:
         """The step's last buckets outside the gpu home (whose writes are device copies,
-        nothing to hide) that fit the overlap window: their writes run after the step."""
+        nothing to hide) that fit the overlap window: their writes run after the step,
+        so a failure of one is found after it returned, with no roll-back (``_land``)."""
         homes = self.placed.homes
-        return frozenset(
-            b.index
-            for b in leading_fit(
-                [b for b in reversed(self.buckets) if homes[b.index] != "gpu"], self.config.overlap_bytes
-            )
-        )
+        candidates = [b for b in reversed(self.buckets) if homes[b.index] != "gpu"]
+        return frozenset(b.index for b in leading_fit(candidates, self.config.overlap_bytes))
 
     def _deferred_bytes(self, indices: frozenset[int]) -> int:
         return sum(self.buckets[i].materialized_bytes for i in indices)
@@ -325,6 +322,9 @@ class StreamingStore:
         except BaseException as exc:
             # Damaged until undone: an interrupt inside the undo must not leave a half-stepped store usable.
             self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
+            # The failed step's deferred writes (its walk had finished) must not land, and the
+            # roll-back reads those buckets back.
+            self._pipeline.drop_landing()
             self._damaged = rollback.undo(exc)
             raise
         # With deferred writes still landing too: no roll-back is left to need the previous
@@ -391,7 +391,9 @@ class StreamingStore:
         landing). Call it often between steps, during forward and backward (the
         Megatron binding does, before each model chunk's forward). A deferred write
         that failed is raised here, and the store then refuses to go on."""
-        if not self.config.overlap_bytes or self._closed:
+        # Nothing while a CUDA graph is captured; a damaged store was reported when found,
+        # and step and save refuse it: forward passes (evaluation too) go on meanwhile.
+        if not self.config.overlap_bytes or self._closed or self._damaged or _capturing():
             return
         self._check_open()
         self._land(block=False)
@@ -473,10 +475,7 @@ class StreamingStore:
         """Delete the stored state (scratch files or host buffers) and release the directory lock."""
         if self._closed:
             return
-        try:
-            self._land(block=True)  # nothing may free memory a deferred write still reads
-        except StoreUnusableError as exc:
-            logger.warning("closing the optimizer-state store: %s", exc)
+        self._pipeline.drop_landing()  # the state is deleted: what has not gone out need not
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
             self.auto_gpu.unregister(self)
@@ -783,3 +782,7 @@ def _cpu_copies(moments: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torc
     if moments is None:
         return None, None
     return tuple(m.cpu().clone() for m in moments)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

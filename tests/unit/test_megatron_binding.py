@@ -519,3 +519,33 @@ def test_a_chain_shares_one_auto_gpu_budget_sized_after_its_last_store_stepped(t
     assert stores[1].placement["gpu"] == len(stores[1].buckets) and stores[0].placement["gpu"] == 1
     for store in stores:
         store.close()
+
+
+def test_a_chain_shares_the_rank_s_overlap_window(tmp_path, monkeypatch):
+    """The window is the rank's (--stream-optimizer-state-overlap-gb): the expert store
+    holds what the dense one left of it, however the two move their state."""
+    from miles_plugins.optimizers.megatron import binding as megatron
+
+    monkeypatch.setattr(megatron, "check_upstream", lambda: None)
+    chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
+    state = 2 * sum(torch.Size(shape).numel() for shape in SHAPES) * 12
+    window = state // 2
+    config = StreamConfig(directory=str(tmp_path / "s"), name="rank0", bucket_cap_elements=3000, overlap_bytes=window)
+    bindings = megatron.attach(chain, config)
+    try:
+        assert sum(b.store.overlap_bytes_bound for b in bindings) <= window
+        held = []
+        for step in range(3):
+            for binding in bindings:
+                for entry, grad in zip(binding.entries, grads(step), strict=True):
+                    entry.main.grad = grad
+                binding.dist_opt.optimizer.step()
+            held.append(sum(b.store._pipeline.accounting.current for b in bindings))
+            for _ in range(3):
+                for binding in bindings:
+                    binding.store.progress()
+                held.append(sum(b.store._pipeline.accounting.current for b in bindings))
+        assert 0 < max(held) <= window
+    finally:
+        for binding in bindings:
+            binding.store.close()

@@ -39,8 +39,11 @@ def _train(model, optimizer, scheduler, streamed, steps, held=None):
 
 
 def _window(streamed, buckets: int | None) -> int:
-    """The bytes of the largest ``buckets`` buckets (all of them with None)."""
+    """The bytes of the largest ``buckets`` buckets (all of them with None; "twice": the
+    whole state twice over, so that room is never what holds a read back)."""
     sizes = sorted(_bucket_bytes(streamed), reverse=True)
+    if buckets == "twice":
+        return 2 * sum(sizes)
     return sum(sizes if buckets is None else sizes[:buckets])
 
 
@@ -52,7 +55,7 @@ MODES = [
 ]
 
 
-@pytest.mark.parametrize("buckets", [2, None], ids=["two-buckets", "whole-state"])
+@pytest.mark.parametrize("buckets", [2, None, "twice"], ids=["two-buckets", "whole-state", "twice-the-state"])
 @pytest.mark.parametrize("tier, main_storage, moment_dtype", MODES, ids=["-".join(m) for m in MODES])
 def test_the_window_changes_when_transfers_run_not_what_they_compute(
     tmp_path, tier, main_storage, moment_dtype, buckets
@@ -147,10 +150,46 @@ def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path)
             while True:
                 streamed.progress()
     assert plan.fired == 1
-    for refused in (optimizer.step, lambda: streamed.save_to(str(tmp_path / "ckpt")), streamed.progress):
+    for refused in (optimizer.step, lambda: streamed.save_to(str(tmp_path / "ckpt"))):
         with pytest.raises(StoreUnusableError, match="step 4"):
             refused()
+    streamed.progress()  # reported once: forward passes go on, the step and the save refuse
     streamed.close()
+
+
+def _fail_after_the_walk_then_retry(tmp_path, **config):
+    """A run whose step 4 fails after its walk (widening a resident fp32 param's grad,
+    e.g. out of memory), is rolled back, and retried."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", fp32_param_moments="resident", **config)
+    store = streamed.store
+    for step in range(STEPS):
+        streamed.progress()
+        loss_fn(model, step).backward()
+        if step == 3:
+            real = store._grad_fn
+
+            def failing(entry, real=real):
+                if entry is store.entries[store._resident_entries[0]]:
+                    raise RuntimeError("out of memory (injected) widening a grad")
+                return real(entry)
+
+            store._grad_fn = failing
+            with pytest.raises(RuntimeError, match="injected"):
+                optimizer.step()
+            store._grad_fn = real
+            assert not store._pipeline.landing, "the failed step's deferred writes must not land"
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+    state = state_of(model, streamed)
+    streamed.close()
+    return state
+
+
+def test_a_step_failing_after_its_walk_drops_its_deferred_writes_and_rolls_back(tmp_path):
+    plain = _fail_after_the_walk_then_retry(tmp_path / "plain")
+    windowed = _fail_after_the_walk_then_retry(tmp_path / "window", overlap_bytes=1 << 40)
+    assert_same_training(plain, windowed)
 
 
 @pytest.mark.parametrize(

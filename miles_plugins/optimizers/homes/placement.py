@@ -18,7 +18,8 @@ slots and commits at the end; the host and gpu homes write in place, so a step
 that fails after updating one of their buckets cannot be rolled back (the store
 then refuses to step again, as the host tier always has). Before the first
 in-memory bucket is updated the walk waits for every disk write (``Pipeline``'s
-``drain_before``): a failure up to there rolls back as on disk. Stored bytes are
+``drain_before``): a failure up to there rolls back as on disk, except in the
+writes an overlap window defers past the step (``store.py``). Stored bytes are
 the same in every home: checkpoints do not depend on placement.
 
 With several state directories, :func:`spread_over_directories` deals the disk

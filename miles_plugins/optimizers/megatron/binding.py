@@ -702,6 +702,8 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     # from what the stores before it (dense first) left; an auto GPU budget is the
     # device's AutoGpuBudget, which the stores share.
     budgets = {"gpu": config.gpu_budget_bytes, "host": config.host_budget_bytes}
+    # So is the overlap window: each store may hold what the stores before it left of it.
+    window_left = config.overlap_bytes
     bindings: list[MegatronBinding] = []
     try:
         for index, member in members:
@@ -711,9 +713,11 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
                 staging_budget_mb=share,
                 gpu_budget_bytes=AUTO if config.gpu_budget_bytes == AUTO else budgets["gpu"],
                 host_budget_bytes=budgets["host"],
+                overlap_bytes=window_left,
             )
             bindings.append(MegatronBinding(member, member_config))
             budgets = bindings[-1].store.placed.budgets_left
+            window_left -= bindings[-1].store.overlap_bytes_bound
     except BaseException:
         for binding in bindings:
             binding.store.close()

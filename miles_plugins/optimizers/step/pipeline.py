@@ -224,9 +224,9 @@ class Pipeline:
         try:
             for flight in self.landing:
                 if flight.held is not None:
-                    transfers, ready = flight.held
+                    # ``held`` is cleared only once submitted: an interrupt before leaves it to submit again.
+                    flight.writes = self.engine.write(flight.handle, *flight.held)
                     flight.held = None
-                    flight.writes = self.engine.write(flight.handle, transfers, ready)
             while self.landing and (block or self.landing[0].writes.done()):
                 self._retire_oldest(self.landing)
         except Exception as exc:
@@ -234,6 +234,15 @@ class Pipeline:
             self.abort(landing, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
             raise
         return not self.landing
+
+    def drop_landing(self) -> None:
+        """Forget the deferred writes (the step that made them failed, or the state is
+        being deleted): those never submitted are released at once, the others once
+        no transfer touches their memory."""
+        landing, self.landing = list(self.landing), deque()
+        for flight in landing:
+            flight.held = None
+        self.abort(landing, self.io_timeout_s)
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
@@ -291,6 +300,8 @@ class Pipeline:
         """Materialize bucket ``index``'s mains (and moments) and submit their reads.
         A stored format other than fp32 lands in the first bytes of the tensor's
         own storage, decoded in place by :meth:`finish_fetch`."""
+        if any(flight.bucket.index == index for flight in self.landing):
+            raise RuntimeError(f"bucket {index} read while its deferred write is still landing")
         flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
         try:
             transfers: list[Transfer] = []
@@ -382,10 +393,11 @@ class Pipeline:
         """Wait for the oldest bucket's writes, then release its device memory. It
         leaves ``writing`` only then: after a failure the caller still aborts it."""
         flight = writing[0]
-        flight.writes.wait()
-        flight.writes = None
+        if flight.writes is not None:  # None: an interrupt came after the wait
+            flight.writes.wait()
+            flight.writes = None
+        self._release(flight)  # before it leaves: an interrupt then cannot leak its memory
         writing.popleft()
-        self._release(flight)
 
     def _release(self, flight: Flight) -> None:
         for entry in flight.entries:

@@ -15,6 +15,10 @@ The first three come last in the walk (``placement.py`` orders them, and the
 pipeline drains every disk write before the first of them, ``drain_before``), so
 a failure before them still rolls back. After one of them was updated, or with
 remainder mains, or while transfers hang, the store refuses to step again.
+
+An overlap window's deferred writes (``store.py``) run after the step returned:
+a failure of one cannot roll anything back either, and the store refuses too.
+A step that fails after its walk drops its own deferred writes before rolling back.
 """
 
 from __future__ import annotations
