@@ -29,6 +29,9 @@ invocation: ``hidden = 1 - grown / in_step of X``; its ``carried_gb`` is the sta
 window held between steps. The probe synchronizes the device after each step to time
 it; a window's writes are submitted only at the next forward, so none is waited there.
 
+Host memory: the host's ``MemAvailable`` is sampled every half second through each run
+(``tests.gpu.host_sampler``); ``host_taken_gb`` is its fall at the run's worst.
+
 The disk modes' bound: before the runs, the drive of ``--disk-dir`` is measured as the
 disk tier uses it (:func:`drive_seconds_per_gb`: 4 GiB written while 4 GiB are read,
 direct I/O); a disk run's ``drive_bound_s`` is that rate times the larger direction of
@@ -58,6 +61,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.gpu.host_sampler import HostSampler
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = (
@@ -179,6 +184,8 @@ def summarize(runs: dict[str, dict], drive: dict | None = None) -> dict[str, dic
             "max_reserved_mb": round(max(r["max_reserved_bytes"] for r in probe) / 2**20) if probe else None,
             "max_reserved_mb_logged": run.get("max_reserved_mb_logged"),
             "placement": probe[-1].get("placement") if probe else None,
+            # What the run took of the host's memory at its most (MemAvailable's fall).
+            "host_taken_gb": _host_taken(run),
             # State the overlap window held between steps (the store's accounting), and its bound.
             "carried_gb": round(probe[-1].get("carried_peak_bytes", 0) / 1e9, 2) if probe else None,
             "overlap_bound_gb": round(probe[-1].get("overlap_bytes_bound", 0) / 1e9, 2) if probe else None,
@@ -188,6 +195,11 @@ def summarize(runs: dict[str, dict], drive: dict | None = None) -> dict[str, dic
         _drive_bounds(out, runs, drive)
     _ratios(out, "megatron-dev@0", "x_dev_off", names=[n for n in out if n.startswith("megatron-dev@")])
     return out
+
+
+def _host_taken(run: dict) -> float | None:
+    available = run.get("mem_available_gb")
+    return round(available["start"] - available["min"], 2) if available else None
 
 
 def _drive_bounds(out: dict[str, dict], runs: dict[str, dict], drive: dict) -> None:
@@ -314,7 +326,7 @@ def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path, timeou
     start = time.perf_counter()
     # The log goes to a file, not a pipe: workers torchrun leaves behind would hold a pipe open.
     log_path = probe_out.with_suffix(".log")
-    with open(log_path, "w") as log_file:
+    with open(log_path, "w") as log_file, HostSampler() as host:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         stopped = ""
         try:
@@ -330,7 +342,13 @@ def _run(name: str, cmd: list[str], cwd: str, env: dict, probe_out: Path, timeou
                 proc.wait(timeout=STOP_GRACE_S)
             stopped = f"\n[iteration] stopped after {timeout_s:.0f} s"
     log = log_path.read_text(errors="replace") + stopped
-    run = {"returncode": proc.returncode, "iters": iters, "wall_s": round(time.perf_counter() - start, 1)}
+    run = {
+        "returncode": proc.returncode,
+        "iters": iters,
+        "wall_s": round(time.perf_counter() - start, 1),
+        # The host's MemAvailable at the start and its least during the run (every half second).
+        "mem_available_gb": {"start": round(host.samples[0] / 1e9, 2), "min": round(min(host.samples) / 1e9, 2)},
+    }
     run.update(timings_from_log(log))
     if probe_out.exists():
         records = []

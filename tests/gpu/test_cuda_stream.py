@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from tests.gpu.host_sampler import mem_available
 from tests.unit.reference import assert_same_training, reference_run, same_bytes
 from tests.unit.test_bit_identity import STEPS, streamed_run
 from tests.unit.test_moment_dtypes import BF16_MAIN_TOLERANCE
@@ -109,11 +110,6 @@ def test_a_checkpoint_of_plain_adamw_resumes_under_fused_or_capturable(tmp_path,
     run(functools.partial(torch.optim.AdamW, **{setting: True}), range(3, 5), load=str(tmp_path / "ckpt"))
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-
-
 def test_forked_children_do_not_copy_a_pinned_host_home():
     """Megatron's DataLoader forks its workers after the optimizer is built: a pinned
     private mapping would be copied into each (16 GiB, two forks: 16.2 GiB measured
@@ -123,7 +119,7 @@ def test_forked_children_do_not_copy_a_pinned_host_home():
     size = 16 << 30
     memory = HostMemory(size, pin=True)
     memory.tensor[:: 1 << 20].fill_(1)  # every page of the home is pinned (registered) already; touch some anyway
-    before = _mem_available()
+    before = mem_available()
     reads, writes = os.pipe()
     children = []
     for _ in range(2):
@@ -132,7 +128,7 @@ def test_forked_children_do_not_copy_a_pinned_host_home():
             os.read(reads, 1)  # both children alive before either exits
             os._exit(0)
         children.append(pid)
-    during = _mem_available()
+    during = mem_available()
     os.write(writes, b"xx")
     for pid in children:
         os.waitpid(pid, 0)

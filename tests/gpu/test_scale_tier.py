@@ -20,12 +20,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu.host_sampler import HostSampler
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -61,33 +62,6 @@ def _params(layers: int) -> float:
     return layers * (12 * HIDDEN**2 + 13 * HIDDEN) + 2 * 8192 * HIDDEN + 1024 * HIDDEN
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-
-
-class _HostSampler:
-    """MemAvailable every half second while a run goes on."""
-
-    def __init__(self) -> None:
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            self.samples.append(_mem_available())
-
-    def __enter__(self):
-        self.samples.append(_mem_available())
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _run(tmp: Path, name: str, layers: int, iters: int, *extra: str, hashing: bool = False) -> dict:
     record = tmp / f"{name}.jsonl"
     env = {
@@ -103,7 +77,7 @@ def _run(tmp: Path, name: str, layers: int, iters: int, *extra: str, hashing: bo
     cmd += ["-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *GPT, "--num-layers", str(layers)]
     cmd += ["--train-iters", str(iters), *extra]
     start = time.perf_counter()
-    with _HostSampler() as host:
+    with HostSampler() as host:
         proc = subprocess.run(cmd, cwd=TREE, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     log = proc.stdout + proc.stderr
     iterations = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []

@@ -136,6 +136,16 @@ def test_a_run_past_its_time_is_stopped_and_reported(tmp_path):
     assert "started" in run["log_tail"] and "stopped after 1 s" in run["log_tail"]
 
 
+def test_a_run_records_what_it_took_of_the_host_s_memory(tmp_path):
+    # A child that holds 512 MiB it has written to for a second: MemAvailable falls by about that.
+    script = "import time; b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
+    run = iteration._run("hog", [sys.executable, "-c", script], str(tmp_path), {}, tmp_path / "hog.jsonl", 30, 5)
+    assert run["returncode"] == 0
+    taken = iteration._host_taken(run)
+    assert run["mem_available_gb"]["min"] <= run["mem_available_gb"]["start"]
+    assert taken > 0.25, f"the host sampler saw {taken} GB taken by a 0.54 GB child"
+
+
 def test_a_run_gets_the_time_left_with_its_stop_s_grace_or_is_not_started():
     assert iteration.run_timeout(560, 300) == 300
     assert iteration.run_timeout(300, 300) == 300 - iteration.STOP_GRACE_S
