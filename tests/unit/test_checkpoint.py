@@ -380,17 +380,17 @@ def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, 
     from miles_plugins.optimizers.errors import StoreUnusableError
 
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")
-    real = persistence.Persistence._copy_buckets
+    real = persistence.Persistence._read_buckets
 
-    def copy_then_fail(self, source, manifest, buckets):
+    def copy_then_fail(self, source, manifest, buckets, copy):
         # Between the verifying read and the copy (of the in-place buckets: all of the
         # host tier's), the last bucket file changes.
-        if buckets:
+        if buckets and copy:
             path = saved / "rank0" / "bucket_00002.bin"
             path.write_bytes(b"\0" * path.stat().st_size)
-        return real(self, source, manifest, buckets)
+        return real(self, source, manifest, buckets, copy)
 
-    monkeypatch.setattr(persistence.Persistence, "_copy_buckets", copy_then_fail)
+    monkeypatch.setattr(persistence.Persistence, "_read_buckets", copy_then_fail)
     with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: the CRC-32 of 1 of its 1 blocks"):
         streamed.load_from(str(saved))
     loss_fn(model, 0).backward()

@@ -234,7 +234,7 @@ class Persistence:
             )
         data = manifest.data
         self._commit(
-            lambda buckets, write: (self._copy_buckets if write else self._verify_buckets)(source, manifest, buckets),
+            lambda buckets, write: self._read_buckets(source, manifest, buckets, copy=write),
             data["bucket_state"],
             data["resident_state"] if self.resident_optimizer is not None else None,
             self._read_resident(source, manifest) if self.resident_optimizer is not None else None,
@@ -389,26 +389,18 @@ class Persistence:
             problems += _check_options(data["master_options"], self.master_groups)
         return problems
 
-    def _copy_buckets(self, source: str, manifest: Manifest, buckets: Sequence[BucketLayout]) -> None:
-        """Copy the buckets' files into the backing (``backing.restore``), checking their checksums."""
+    def _read_buckets(self, source: str, manifest: Manifest, buckets: Sequence[BucketLayout], copy: bool) -> None:
+        """Read the buckets' files once, checking their checksums; with ``copy``, into
+        the backing (``backing.restore``), else nothing is kept (a verify pass)."""
         for bucket in buckets:
             path = os.path.join(source, bucket.file_name)
             crc = BlockCrc(manifest.block_bytes)
             fd = open_file(path, os.O_RDONLY)
             try:
-                self.backing.restore(bucket, fd, path, self.buffer(), crc)
-            finally:
-                os.close(fd)
-            _check_crc(path, crc, manifest, bucket.file_name)
-
-    def _verify_buckets(self, source: str, manifest: Manifest, buckets: Sequence[BucketLayout]) -> None:
-        """Read the buckets' files once, checking their checksums; nothing is copied."""
-        for bucket in buckets:
-            path = os.path.join(source, bucket.file_name)
-            crc = BlockCrc(manifest.block_bytes)
-            fd = open_file(path, os.O_RDONLY)
-            try:
-                copy_file_crc32(fd, path, None, "", bucket.file_size, self.buffer().view, crc)
+                if copy:
+                    self.backing.restore(bucket, fd, path, self.buffer(), crc)
+                else:
+                    copy_file_crc32(fd, path, None, "", bucket.file_size, self.buffer().view, crc)
             finally:
                 os.close(fd)
             _check_crc(path, crc, manifest, bucket.file_name)
