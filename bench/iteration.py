@@ -101,8 +101,8 @@ MODES = {
 }
 # The overlap window (``--stream-optimizer-state-overlap-gb``) beside each placement: "X+overlap"
 # is X with a window of the whole state beyond the gpu home (12.8 GiB materialized), so every
-# transfer may leave the step; "host+overlap-3g" holds what dev at fraction 1 holds beyond
-# our host mode (about 3.4 GB, measured 2026-12-02).
+# transfer may leave the step; "host+overlap-3g" holds about what dev at fraction 1 holds
+# beyond our host mode (3420 MiB of peak reserved, measured 2026-12-02).
 OVERLAP = "+overlap"
 MODES.update(
     {
@@ -203,13 +203,17 @@ def _host_taken(run: dict) -> float | None:
 
 
 def _drive_bounds(out: dict[str, dict], runs: dict[str, dict], drive: dict) -> None:
-    """A run whose state is on disk: the drive's seconds for the bytes its step moves
-    (the larger direction, both running at once as measured), and s/iter against the
-    larger of that and resident's forward and backward (its s/iter less its step)."""
+    """A run whose state is all on disk: the drive's seconds for the bytes its step
+    moves (the larger direction, both running at once as measured), and s/iter against
+    the larger of that and resident's forward and backward (its s/iter less its step).
+    None from a probe the page cache served (``direct`` False)."""
+    if not drive.get("direct"):
+        return
     base = out.get("resident")
     for name, row in out.items():
         probe = runs[name].get("probe") or []
-        if not row["ok"] or not probe or not (probe[-1].get("placement") or {}).get("disk"):
+        placement = (probe[-1].get("placement") or {}) if probe else {}
+        if not row["ok"] or not placement.get("disk") or placement.get("gpu") or placement.get("host"):
             continue
         moved = probe[-1]["step_bytes_moved"]
         row["drive_bound_s"] = round(max(moved["read"], moved["written"]) / 1e9 * drive["s_per_gb_each_way"], 3)
@@ -231,6 +235,9 @@ def _ratios(out: dict[str, dict], base_name: str, key: str, names: list[str]) ->
         if key == "x_resident" and ours and row["step_s"] is not None and base["step_s"] is not None:
             row["in_step_s"] = round(row["step_s"] - base["step_s"], 3)
             row["grown_s"] = round(row["s_per_iter"] - base["s_per_iter"], 3)
+    for name in names if key == "x_resident" else ():  # every twin's in_step_s is known now
+        row = out[name]
+        if "grown_s" in row:
             # An overlap mode's transfers are its twin's (the same placement without the
             # window): the share hidden is of what the twin's step spent on them.
             twin = out.get(name.split(OVERLAP)[0]) if OVERLAP in name else row
@@ -246,23 +253,21 @@ def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES, thread
     """The disk directory's drive, as the disk tier uses it: ``nbytes`` written to one
     file while ``nbytes`` are read from another (written first), in 16 MiB requests,
     ``threads`` in flight per direction (default: the engine's ``io_threads``), with
-    ``O_DIRECT`` where the filesystem takes it. Seconds per GB moved each way."""
+    ``O_DIRECT`` where the filesystem takes it (``direct``; without it the page cache
+    is timed, and no bound is drawn from it). Seconds per GB moved each way; a failed
+    request fails the probe."""
+    import concurrent.futures
     import mmap
-    import threading
-
-    os.makedirs(directory, exist_ok=True)
-    src, dst = os.path.join(directory, "drive-probe-read"), os.path.join(directory, "drive-probe-write")
-    direct = getattr(os, "O_DIRECT", 0)
-
-    def open_(path: str):
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | direct), bool(direct)
-        except OSError:
-            return os.open(path, os.O_RDWR | os.O_CREAT), False
+    import shutil
 
     from miles_plugins.optimizers.config import DEFAULT_IO_THREADS
 
     threads = threads or DEFAULT_IO_THREADS
+    os.makedirs(directory, exist_ok=True)
+    if shutil.disk_usage(directory).free < 2 * nbytes + (1 << 30):
+        raise SystemExit(f"bench.iteration: {directory} has no room for the drive probe's {2 * nbytes} bytes")
+    paths = [os.path.join(directory, "drive-probe-read"), os.path.join(directory, "drive-probe-write")]
+    direct = getattr(os, "O_DIRECT", 0)
 
     def stream(fd: int, write: bool, buffer, first: int = 0, step: int = 1) -> None:
         view = memoryview(buffer)
@@ -274,32 +279,36 @@ def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES, thread
             os.fsync(fd)
 
     buffers = [mmap.mmap(-1, DRIVE_CHUNK) for _ in range(2 * threads)]  # page-aligned, as O_DIRECT needs
-    fds = []
+    fds: list[int] = []
     try:
-        (read_fd, direct_ok), (write_fd, _) = open_(src), open_(dst)
-        fds = [read_fd, write_fd]
+        for path in paths:
+            try:
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | direct))
+            except OSError:  # a filesystem without O_DIRECT
+                direct = 0
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT))
+        read_fd, write_fd = fds
         stream(read_fd, True, buffers[0])
-        workers = [
-            threading.Thread(target=stream, args=(fd, fd == write_fd, buffers[2 * t + (fd == write_fd)], t, threads))
-            for fd in (read_fd, write_fd)
-            for t in range(threads)
-        ]
-        start = time.perf_counter()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        seconds = time.perf_counter() - start
+        with concurrent.futures.ThreadPoolExecutor(2 * threads) as pool:
+            start = time.perf_counter()
+            futures = [
+                pool.submit(stream, fd, fd == write_fd, buffers[2 * t + (fd == write_fd)], t, threads)
+                for fd in fds
+                for t in range(threads)
+            ]
+            for future in futures:
+                future.result()  # raises a request's failure
+            seconds = time.perf_counter() - start
     finally:
         for fd in fds:
             os.close(fd)
-        for path in (src, dst):
+        for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     return {
         "bytes_each_way": nbytes,
         "threads_each_way": threads,
-        "direct": direct_ok,
+        "direct": bool(direct),
         "s_per_gb_each_way": round(seconds / (nbytes / 1e9), 4),
     }
 

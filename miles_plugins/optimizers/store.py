@@ -250,13 +250,13 @@ class StreamingStore:
     def overlap_bytes_bound(self) -> int:
         """The most materialized state the overlap window holds on the device between
         steps (during forward and backward): the buckets whose writes the step
-        defers and those read ahead for the next one, which fit the window
-        together (``Pipeline.prefetch``); 0 without a window."""
+        defers and those read ahead for the next one (no bucket is both at once),
+        which fit the window together (``Pipeline.prefetch``); 0 without a window."""
         window = self.config.overlap_bytes
         if not window:
             return 0
-        early = sum(b.materialized_bytes for b in leading_fit(self.buckets, window))
-        return min(window, early + self._deferred_bytes(self._deferred_buckets()))
+        held = {b.index for b in leading_fit(self.buckets, window)} | self._deferred_buckets()
+        return min(window, sum(self.buckets[i].materialized_bytes for i in held))
 
     def _deferred_buckets(self) -> frozenset[int]:
         """The step's last buckets outside the gpu home (whose writes are device copies,
@@ -265,9 +265,6 @@ class StreamingStore:
         homes = self.placed.homes
         candidates = [b for b in reversed(self.buckets) if homes[b.index] != "gpu"]
         return frozenset(b.index for b in leading_fit(candidates, self.config.overlap_bytes))
-
-    def _deferred_bytes(self, indices: frozenset[int]) -> int:
-        return sum(self.buckets[i].materialized_bytes for i in indices)
 
     # ---- the contract --------------------------------------------------------
 
@@ -605,7 +602,9 @@ def _state_copies(
         yield (i, store.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))
     for bucket in store.buckets:
         # The whole bucket is copied and released before anything is yielded: a
-        # caller may step, load or refresh while this generator is suspended.
+        # caller may step, load or refresh while this generator is suspended, or
+        # run a forward whose progress() reads ahead: settled again each time.
+        store._settle()
         with store._pipeline.read_one(bucket.index) as flight:
             copies = [
                 (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))

@@ -6,6 +6,7 @@ invocations merge side by side."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -105,9 +106,10 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
 def test_an_overlap_mode_is_judged_against_its_twin_and_a_disk_mode_against_its_drive():
     runs = {
         "resident": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1]),
-        "host": _run([9.0, 5.0, 2.4, 2.4, 2.4], [3.0, 3.0, 0.5, 0.5, 0.5]),
-        # Its own step grew by 0.1 s only: the share is of its twin's 0.4 s, of which 0.1 s still shows.
+        # Its own step grew by 0.1 s only: the share is of its twin's 0.4 s, of which 0.1 s still
+        # shows (the twin may run after it).
         "host+overlap": _run([9.0, 5.0, 2.1, 2.1, 2.1], [3.0, 3.0, 0.2, 0.2, 0.2]),
+        "host": _run([9.0, 5.0, 2.4, 2.4, 2.4], [3.0, 3.0, 0.5, 0.5, 0.5]),
         "disk": _run([9.0, 5.0, 6.0, 6.0, 6.0], [3.0, 3.0, 4.1, 4.1, 4.1]),
     }
     for record in runs["disk"]["probe"]:
@@ -125,6 +127,39 @@ def test_the_drive_is_measured_reading_and_writing_at_once(tmp_path):
     assert drive["bytes_each_way"] == 4 * iteration.DRIVE_CHUNK and drive["s_per_gb_each_way"] > 0
     assert isinstance(drive["direct"], bool)
     assert not list((tmp_path / "nvme").iterdir()), "the probe's files are removed"
+
+
+def test_a_failed_request_fails_the_drive_probe(tmp_path, monkeypatch):
+    """A write that fails while the reads go on must not leave a rate of the reads alone."""
+    import errno
+
+    real, calls = os.pwritev, []
+
+    def pwritev(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > 4:  # the read file's four chunks are written first
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    with pytest.raises(OSError, match="No space left"):
+        iteration.drive_seconds_per_gb(str(tmp_path / "nvme"), nbytes=4 * iteration.DRIVE_CHUNK)
+    assert not list((tmp_path / "nvme").iterdir()), "the probe's files are removed"
+
+
+def test_no_drive_bound_is_drawn_from_the_page_cache_or_a_mixed_placement():
+    runs = {
+        "resident": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1]),
+        "disk": _run([9.0, 5.0, 6.0, 6.0, 6.0], [3.0, 3.0, 4.1, 4.1, 4.1]),
+        "gpu+disk": _run([9.0, 5.0, 6.0, 6.0, 6.0], [3.0, 3.0, 4.1, 4.1, 4.1]),
+    }
+    for name, placement in (("disk", {"disk": 3}), ("gpu+disk", {"gpu": 1, "disk": 2})):
+        for record in runs[name]["probe"]:
+            record.update(placement=placement, step_bytes_moved={"read": 4e9, "written": 5e9})
+    cached = iteration.summarize(runs, {"direct": False, "s_per_gb_each_way": 0.1})
+    assert "drive_bound_s" not in cached["disk"]
+    direct = iteration.summarize(runs, {"direct": True, "s_per_gb_each_way": 0.8})
+    assert direct["disk"]["drive_bound_s"] == 4.0 and "drive_bound_s" not in direct["gpu+disk"]
 
 
 def test_a_run_past_its_time_is_stopped_and_reported(tmp_path):

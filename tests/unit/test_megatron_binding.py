@@ -528,12 +528,15 @@ def test_a_chain_shares_the_rank_s_overlap_window(tmp_path, monkeypatch):
 
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)
     chain = types.SimpleNamespace(chained_optimizers=[dp1_distributed_optimizer(0)[0], dp1_distributed_optimizer(1)[0]])
-    state = 2 * sum(torch.Size(shape).numel() for shape in SHAPES) * 12
-    window = state // 2
+    # Three quarters of the chain's state: the dense store's whole state, and half the expert's.
+    window = 3 * sum(torch.Size(shape).numel() for shape in SHAPES) * 12 // 2
     config = StreamConfig(directory=str(tmp_path / "s"), name="rank0", bucket_cap_elements=3000, overlap_bytes=window)
     bindings = megatron.attach(chain, config)
     try:
-        assert sum(b.store.overlap_bytes_bound for b in bindings) <= window
+        dense, expert = (b.store for b in bindings)
+        assert dense.overlap_bytes_bound == dense.state_bytes_total
+        assert 0 < expert.config.overlap_bytes == window - dense.state_bytes_total
+        assert dense.overlap_bytes_bound + expert.overlap_bytes_bound <= window
         held = []
         for step in range(3):
             for binding in bindings:

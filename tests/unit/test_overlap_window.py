@@ -7,6 +7,8 @@ before it and between it and the backward, as the Megatron binding's forward
 pre-hook calls it once per micro-batch.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -36,6 +38,15 @@ def _train(model, optimizer, scheduler, streamed, steps, held=None):
         optimizer.step()
         optimizer.zero_grad()
         between_steps(optimizer, scheduler, step)
+
+
+def _progress_until(streamed, done, check=lambda: None, timeout_s: float = 30.0) -> None:
+    """``progress()`` until ``done()``, running ``check()`` after each call; fails, not hangs."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "progress() never got there"
+        streamed.progress()
+        check()
 
 
 def _window(streamed, buckets: int | None) -> int:
@@ -110,14 +121,38 @@ def test_a_bucket_is_read_only_after_its_write_landed_and_the_window_is_never_ex
     _train(model, optimizer, scheduler, streamed, range(2))
     deferred = {f.bucket.index for f in pipeline.landing}
     assert deferred == {b.index for b in store.buckets}, "a window larger than the state defers every write"
-    while pipeline.landing:
-        streamed.progress()
+    # The window is larger than the state: what bounds it is the state, each bucket once.
+    assert store.overlap_bytes_bound == store.state_bytes_total
+
+    def check():
         landing = {f.bucket.index for f in pipeline.landing}
         read = [f.bucket.index for f in pipeline._prefetched]
         assert read == list(range(len(read))), "reads go in walk order"
         assert not landing & set(read) and (not landing or max(read, default=-1) < min(landing))
+        assert pipeline.accounting.current <= store.overlap_bytes_bound
+
+    _progress_until(streamed, lambda: not pipeline.landing, check)
     streamed.progress()
     assert len(pipeline._prefetched) == len(store.buckets), "then the window reads the whole next step ahead"
+    streamed.close()
+
+
+def test_reading_the_state_back_survives_a_forward_between_its_buckets(tmp_path):
+    """iter_state yields bucket by bucket; a forward's progress() in between reads ahead
+    into the very tensors it materializes: it settles again before each bucket."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
+    _train(model, optimizer, scheduler, streamed, range(3))
+    copies = []
+    for item in streamed.iter_state():
+        copies.append(item)
+        streamed.progress()
+        _progress_until(streamed, lambda: not streamed.store._pipeline.landing)
+    by_param = {id(p): (main, m, v) for p, main, m, v in copies}
+    read_back = ([p.detach().clone() for p in model.parameters()], [by_param[id(p)] for p in model.parameters()])
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), read_back)
+    # The next steps use what the last progress() read ahead (the bucket tensors the read-back shared).
+    _train(model, optimizer, scheduler, streamed, range(3, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
 
 
@@ -130,13 +165,13 @@ def test_reads_fill_only_the_room_the_landed_writes_left(tmp_path):
     store, pipeline = streamed.store, streamed.store._pipeline
     _train(model, optimizer, scheduler, streamed, range(2))
     assert [f.bucket.index for f in pipeline.landing] == list(range(len(sizes) - 3, len(sizes)))
-    seen = []
-    while pipeline.landing or not pipeline._prefetched:
-        streamed.progress()
+    assert store.overlap_bytes_bound == window  # the three deferred, or as many first ones read
+
+    def check():
         held = sum(f.bucket.materialized_bytes for f in (*pipeline.landing, *pipeline._prefetched))
-        assert held <= store.overlap_bytes_bound <= window
-        seen.append(len(pipeline._prefetched))
-    assert seen[-1] >= 1
+        assert held <= window
+
+    _progress_until(streamed, lambda: not pipeline.landing and pipeline._prefetched, check)
     streamed.close()
 
 
@@ -147,8 +182,7 @@ def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path)
     optimizer.step()  # returns with its writes deferred
     with FaultPlan(tmp_path / "scratch", "write", nth=1, fault="eio") as plan:
         with pytest.raises(StoreUnusableError, match=r"writes of step 4, deferred .* failed .*Input/output error"):
-            while True:
-                streamed.progress()
+            _progress_until(streamed, lambda: False)
     assert plan.fired == 1
     for refused in (optimizer.step, lambda: streamed.save_to(str(tmp_path / "ckpt"))):
         with pytest.raises(StoreUnusableError, match="step 4"):
