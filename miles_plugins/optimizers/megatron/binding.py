@@ -389,23 +389,12 @@ class MegatronBinding:
 
     def _entries(self) -> list[MegatronEntry]:
         opt = self.dist_opt
-        names = self.names
         entries = []
         for group_index, (model_group, main_group) in enumerate(
             zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True)
         ):
             for model_param, main in zip(model_group, main_group, strict=True):
-                entries.append(
-                    MegatronEntry(
-                        param=self._model_shard(model_param),
-                        main=main,
-                        group_index=group_index,
-                        bucket_key=self._ddp_bucket(model_param),
-                        name=names.get(model_param),
-                        start=self._param_range(model_param).start,
-                        model_param=model_param,
-                    )
-                )
+                entries.append(self._entry(model_param, self._model_shard(model_param), main, group_index))
         for group_index, (model_group, shard_group) in enumerate(
             zip(opt.model_fp32_groups, opt.shard_fp32_groups, strict=True)
         ):
@@ -419,18 +408,19 @@ class MegatronBinding:
                         f"(shape {tuple(model_param.shape)}): this Megatron lays params out differently "
                         "than the binding was validated on"
                     )
-                entries.append(
-                    MegatronEntry(
-                        param=shard,
-                        main=shard,
-                        group_index=group_index,
-                        bucket_key=self._ddp_bucket(model_param),
-                        name=names.get(model_param),
-                        start=self._param_range(model_param).start,
-                        model_param=model_param,
-                    )
-                )
+                entries.append(self._entry(model_param, shard, shard, group_index))
         return entries
+
+    def _entry(self, model_param, param: torch.Tensor, main: torch.Tensor, group_index: int) -> MegatronEntry:
+        return MegatronEntry(
+            param=param,
+            main=main,
+            group_index=group_index,
+            bucket_key=self._ddp_bucket(model_param),
+            name=self.names.get(model_param),
+            start=self._param_range(model_param).start,
+            model_param=model_param,
+        )
 
     def _ddp_bucket(self, model_param: torch.nn.Parameter) -> tuple[int, int]:
         gbuf_index, _, bucket_index = self.dist_opt.model_param_gbuf_map[model_param]
