@@ -19,8 +19,9 @@ The parts, each in its own module: where bytes live and how they move
 (``homes/``), the walk (``step/pipeline.py``), the storage formats
 (``step/codec.py``, ``formats/``), checkpoints (``checkpoint/persistence.py``),
 what a failed step can undo (``step/rollback.py``), the gpu home's moves and
-offload (``step/gpu_home.py``), files and directories (``homes/fs.py``,
-``homes/scratch.py``). This module builds them and runs the step.
+offload (``step/gpu_home.py``), the overlap window (``step/overlap.py``), files
+and directories (``homes/fs.py``, ``homes/scratch.py``). This module builds them
+and runs the step.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.step.gpu_home import GpuHome
-from miles_plugins.optimizers.step.pipeline import Flight, Pipeline, leading_fit
+from miles_plugins.optimizers.step.overlap import OverlapWindow
+from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
 from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
@@ -151,7 +153,6 @@ class StreamingStore:
         self.steps_taken = 0
         # Checks the next step must pass first (before_next_step).
         self._step_checks: list[Callable[[], None]] = []
-        self.carried_peak_bytes = 0  # the most state bytes seen held between steps (accounting)
 
         streamed = _streamed_entries(self.entries, config)
         self._device = self.entries[streamed[0]].main.device if streamed else torch.device("cpu")
@@ -180,6 +181,7 @@ class StreamingStore:
                 config.io_timeout_s,
                 drain_before=first_written_in_place(self.buckets, self.placed),
             )
+            self._window = OverlapWindow(config.overlap_bytes, self.buckets, self.placed, self._pipeline)
             self._gpu_home = GpuHome(
                 self.placed, self._backing, self.buckets, self._engine, self._pipeline, self._device, self._settle
             )
@@ -249,22 +251,13 @@ class StreamingStore:
     @property
     def overlap_bytes_bound(self) -> int:
         """The most materialized state the overlap window holds on the device between
-        steps (during forward and backward): the buckets whose writes the step
-        defers and those read ahead for the next one (no bucket is both at once),
-        which fit the window together (``Pipeline.prefetch``); 0 without a window."""
-        window = self.config.overlap_bytes
-        if not window:
-            return 0
-        held = {b.index for b in leading_fit(self.buckets, window)} | self._deferred_buckets()
-        return min(window, sum(self.buckets[i].materialized_bytes for i in held))
+        steps (``OverlapWindow.bound``); 0 without a window."""
+        return self._window.bound
 
-    def _deferred_buckets(self) -> frozenset[int]:
-        """The step's last buckets outside the gpu home (whose writes are device copies,
-        nothing to hide) that fit the overlap window: their writes run after the step,
-        so a failure of one is found after it returned, with no roll-back (``_land``)."""
-        homes = self.placed.homes
-        candidates = [b for b in reversed(self.buckets) if homes[b.index] != "gpu"]
-        return frozenset(b.index for b in leading_fit(candidates, self.config.overlap_bytes))
+    @property
+    def carried_peak_bytes(self) -> int:
+        """The most state the overlap window was seen holding between steps (accounting)."""
+        return self._window.carried_peak_bytes
 
     # ---- the contract --------------------------------------------------------
 
@@ -308,9 +301,7 @@ class StreamingStore:
             self._update(flight)
 
         try:
-            self._pipeline.walk(
-                update, stats, defer=self._deferred_buckets() if self.config.overlap_bytes else frozenset()
-            )
+            self._pipeline.walk(update, stats, defer=self._window.deferred())
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
@@ -328,7 +319,7 @@ class StreamingStore:
         # slot (a late failure leaves the store refusing), and their buckets are read only
         # once they have landed.
         self._backing.commit()
-        self._note_carried()
+        self._window.note_carried()
         stats.seconds = time.perf_counter() - start
         self.last_step = stats
         self.total.add(stats)
@@ -394,17 +385,15 @@ class StreamingStore:
             return
         self._check_open()
         self._land(block=False)
-        self._pipeline.prefetch(self.config.overlap_bytes, window_only=True)
-        self._note_carried()
+        self._window.read_ahead()
 
-    def _land(self, block: bool) -> bool:
-        """Move the deferred writes along (``Pipeline.land``); True once all have
-        landed. A failure leaves the store refusing: the model holds that step's
-        params, the store not its state."""
+    def _land(self, block: bool) -> None:
+        """Move the deferred writes along (``Pipeline.land``). A failure leaves the
+        store refusing: the model holds that step's params, the store not its state."""
         if not self._pipeline.landing:
-            return True
+            return
         try:
-            done = self._pipeline.land(block)
+            self._pipeline.land(block)
         except Exception as exc:
             self._damaged = (
                 f"writes of step {self.steps_taken}, deferred past its end by the overlap window, failed ({exc}); "
@@ -414,10 +403,6 @@ class StreamingStore:
                 f"the optimizer-state store at {self.location}: {self._damaged}. Load a good checkpoint into a "
                 "fresh process"
             ) from exc
-        return done
-
-    def _note_carried(self) -> None:
-        self.carried_peak_bytes = max(self.carried_peak_bytes, self._pipeline.accounting.current)
 
     def drop_prefetch(self) -> None:
         """Release what :meth:`prefetch` read when no step will use it (e.g. the step

@@ -216,11 +216,11 @@ class Pipeline:
             self.abort([*ahead, *writing, *landing, *([current] if current else [])], wait_s)
             raise
 
-    def land(self, block: bool) -> bool:
+    def land(self, block: bool) -> None:
         """Move the deferred writes along: submit those not yet submitted, then retire
         (wait for and release) the oldest while done, or all of them with ``block``.
-        True when none is left. On an error the rest are aborted and it is
-        re-raised; an interrupt leaves them pending for a later call."""
+        On an error the rest are aborted and it is re-raised; an interrupt leaves
+        them pending for a later call."""
         try:
             for flight in self.landing:
                 if flight.held is not None:
@@ -233,7 +233,6 @@ class Pipeline:
             landing, self.landing = list(self.landing), deque()
             self.abort(landing, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
             raise
-        return not self.landing
 
     def drop_landing(self) -> None:
         """Forget the deferred writes (the step that made them failed, or the state is
