@@ -186,8 +186,9 @@ class StreamConfig:
             the gpu home that fit it encoded on the device, and their writes run
             from the caller's next :meth:`~StreamingStore.progress`; the next
             step's first buckets are read into the room their landing leaves.
-            Both together never exceed it; the step's own bound grows by it. Not with an ``"auto"`` GPU budget (which sizes
-            its home from the peaks this window would change).
+            Both together never exceed it; the step's own bound grows by it.
+            Not with an ``"auto"`` GPU budget (which sizes its home from the
+            peaks this window would change).
         drive_ranks: processes of this node that share the state directories
             and set up at once (Megatron's ``attach`` counts the node's ranks):
             each plans its disk buckets with that share of the free space it

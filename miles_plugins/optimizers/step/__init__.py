@@ -5,7 +5,8 @@ Owns the walk over the buckets with at most ``buckets_in_flight`` on the device
 update exactly (``adam``), the conversion of each segment between its stored
 format and fp32 (``codec``), what a failed step can undo (``rollback``), the
 entries the step runs over with its statistics (``entries``) and the moves
-and offload of the ``gpu`` home between steps (``gpu_home``). The store
+and offload of the ``gpu`` home between steps (``gpu_home``) and the overlap
+window that carries state across the step boundary (``overlap``). The store
 (``miles_plugins.optimizers.store``) assembles these. May import
 ``miles_plugins.optimizers.errors``, ``.config``, ``.formats`` and ``.homes``;
 never ``checkpoint``, ``megatron`` or the store.
