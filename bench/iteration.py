@@ -50,10 +50,13 @@ keeping its own invocation's ratios and naming it.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import mmap
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -256,11 +259,7 @@ def drive_seconds_per_gb(directory: str, nbytes: int = DRIVE_PROBE_BYTES, thread
     ``O_DIRECT`` where the filesystem takes it (``direct``; without it the page cache
     is timed, and no bound is drawn from it). Seconds per GB moved each way; a failed
     request fails the probe."""
-    import concurrent.futures
-    import mmap
-    import shutil
-
-    from miles_plugins.optimizers.config import DEFAULT_IO_THREADS
+    from miles_plugins.optimizers.config import DEFAULT_IO_THREADS  # imports torch: not for a merge
 
     threads = threads or DEFAULT_IO_THREADS
     os.makedirs(directory, exist_ok=True)
