@@ -54,7 +54,7 @@ from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.step.gpu_home import GpuHome
 from miles_plugins.optimizers.step.overlap import OverlapWindow
-from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.pipeline import Flight, LandingError, Pipeline
 from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
@@ -282,7 +282,9 @@ class StreamingStore:
         hung) the store refuses to step again (``rollback.py``).
         """
         self._check_open()
-        self._land(block=True)  # the previous step's deferred writes (no progress() ran since)
+        # The previous step's deferred writes go out now if no progress() sent them; the walk
+        # waits for each just before reading its bucket, so they run beside its reads.
+        self._land()
         while self._step_checks:
             self._step_checks[0]()  # raises to refuse the step; the check then stays armed
             self._step_checks.pop(0)
@@ -300,19 +302,26 @@ class StreamingStore:
             rollback.record(flight)
             self._update(flight)
 
+        walked = False
         try:
             self._pipeline.walk(update, stats, defer=self._window.deferred())
+            walked = True
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
                 self._attach_grads(self._resident_entries)
                 rollback.resident_started()
                 self._resident_optimizer.step()
+        except LandingError as exc:
+            # The previous step's deferred write, waited for by this walk: the stored state
+            # is lost, so nothing is rolled back to it.
+            raise self._late_failure(exc) from exc.__cause__
         except BaseException as exc:
             # Damaged until undone: an interrupt inside the undo must not leave a half-stepped store usable.
             self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
-            # The failed step's deferred writes (its walk had finished) must not land, and the
-            # roll-back reads those buckets back.
-            self._pipeline.drop_landing()
+            if walked:
+                self._pipeline.drop_landing()  # this step's deferred writes must not land
+            else:
+                self._land(block=True)  # the previous step's must: the roll-back reads their buckets
             self._damaged = rollback.undo(exc)
             raise
         # With deferred writes still landing too: no roll-back is left to need the previous
@@ -369,7 +378,7 @@ class StreamingStore:
         for), and the reads fill the window."""
         self._check_open()
         if self.config.pipelined:
-            self._land(block=True)
+            self._land()  # reads stop before a bucket still landing; the step waits for it
             self._pipeline.prefetch(self.config.overlap_bytes)
 
     def progress(self) -> None:
@@ -384,25 +393,28 @@ class StreamingStore:
         if not self.config.overlap_bytes or self._closed or self._damaged or _capturing():
             return
         self._check_open()
-        self._land(block=False)
+        self._land()
         self._window.read_ahead()
 
-    def _land(self, block: bool) -> None:
-        """Move the deferred writes along (``Pipeline.land``). A failure leaves the
-        store refusing: the model holds that step's params, the store not its state."""
+    def _land(self, block: bool = False) -> None:
+        """Move the deferred writes along (``Pipeline.land``); a failure leaves the store refusing."""
         if not self._pipeline.landing:
             return
         try:
             self._pipeline.land(block)
-        except Exception as exc:
-            self._damaged = (
-                f"writes of step {self.steps_taken}, deferred past its end by the overlap window, failed ({exc}); "
-                "the model's params are that step's, the stored state is not"
-            )
-            raise StoreUnusableError(
-                f"the optimizer-state store at {self.location}: {self._damaged}. Load a good checkpoint into a "
-                "fresh process"
-            ) from exc
+        except LandingError as exc:
+            raise self._late_failure(exc) from exc.__cause__
+
+    def _late_failure(self, exc: LandingError) -> StoreUnusableError:
+        """Mark the store damaged by a failed deferred write of step ``steps_taken``."""
+        self._damaged = (
+            f"writes of step {self.steps_taken}, deferred past its end by the overlap window, failed "
+            f"({exc.__cause__}); the model's params are not the stored state's"
+        )
+        return StoreUnusableError(
+            f"the optimizer-state store at {self.location}: {self._damaged}. Load a good checkpoint into a "
+            "fresh process"
+        )
 
     def drop_prefetch(self) -> None:
         """Release what :meth:`prefetch` read when no step will use it (e.g. the step

@@ -175,14 +175,56 @@ def test_reads_fill_only_the_room_the_landed_writes_left(tmp_path):
     streamed.close()
 
 
-def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path):
+def test_the_next_step_reads_while_the_last_ones_writes_still_land(tmp_path):
+    """The step waits for a deferred write just before reading its bucket, not for all
+    of them first: on a drive, writes and reads then run together. Here the first
+    deferred write stalls (1 s) and the step's first reads start meanwhile."""
+    probe = fresh(tmp_path / "probe", "rank0")[3]
+    window = sum(_bucket_bytes(probe)[-2:])  # the last two buckets' writes are deferred
+    probe.close()
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=window)
+    pipeline = streamed.store._pipeline
+    _train(model, optimizer, scheduler, streamed, range(3))
+    landing_at_read = []  # (bucket, the buckets still landing) as each read starts
+    real_open = pipeline._open
+
+    def open_bucket(index, *args, **kwargs):
+        landing_at_read.append((index, {f.bucket.index for f in pipeline.landing}))
+        return real_open(index, *args, **kwargs)
+
+    pipeline._open = open_bucket
+    loss_fn(model, 3).backward()  # no progress(): the step sends the deferred writes itself
+    with FaultPlan(tmp_path / "scratch", "write", nth=1, fault="hang", hang_s=1.0) as plan:
+        optimizer.step()
+    assert plan.fired == 1
+    last = len(streamed.store.buckets) - 1
+    first_index, still_landing = landing_at_read[0]
+    assert first_index == 0 and still_landing, "the step waited for every deferred write before its first read"
+    assert all(index not in landing for index, landing in landing_at_read), "a bucket was read before it landed"
+    assert {f.bucket.index for f in pipeline.landing} == {last - 1, last}
+    optimizer.zero_grad()
+    between_steps(optimizer, scheduler, 3)
+    _train(model, optimizer, scheduler, streamed, range(4, STEPS))
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+@pytest.mark.parametrize("found_by", ["progress", "next-step"])
+def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path, found_by):
+    """Found by a forward's progress() or by the next step's walk waiting for it, the
+    failure names the step that wrote it, and the step and the save refuse."""
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
     _train(model, optimizer, scheduler, streamed, range(3))
     loss_fn(model, 3).backward()
     optimizer.step()  # returns with its writes deferred
+    optimizer.zero_grad()
     with FaultPlan(tmp_path / "scratch", "write", nth=1, fault="eio") as plan:
         with pytest.raises(StoreUnusableError, match=r"writes of step 4, deferred .* failed .*Input/output error"):
-            _progress_until(streamed, lambda: False)
+            if found_by == "progress":
+                _progress_until(streamed, lambda: False)
+            else:
+                loss_fn(model, 4).backward()
+                optimizer.step()
     assert plan.fired == 1
     for refused in (optimizer.step, lambda: streamed.save_to(str(tmp_path / "ckpt"))):
         with pytest.raises(StoreUnusableError, match="step 4"):
@@ -218,6 +260,33 @@ def _fail_after_the_walk_then_retry(tmp_path, **config):
     state = state_of(model, streamed)
     streamed.close()
     return state
+
+
+def _fail_reading_while_writes_land_then_retry(tmp_path, **config):
+    """A disk run whose step 5 fails reading (EIO) while step 4's deferred writes are
+    still landing (the first of them stalls), is rolled back, and retried."""
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **config)
+    _train(model, optimizer, scheduler, streamed, range(4))
+    loss_fn(model, 4).backward()
+    scratch = tmp_path / "scratch"
+    with FaultPlan(scratch, "write", nth=1, fault="hang", hang_s=0.5), FaultPlan(scratch, "read", nth=2, fault="eio"):
+        with pytest.raises(OSError, match="Input/output error"):
+            optimizer.step()
+    assert not streamed.store._pipeline.landing, "the last step's deferred writes must have landed"
+    optimizer.step()
+    optimizer.zero_grad()
+    between_steps(optimizer, scheduler, 4)
+    _train(model, optimizer, scheduler, streamed, range(5, STEPS))
+    state = state_of(model, streamed)
+    streamed.close()
+    return state
+
+
+def test_a_step_failing_while_the_last_ones_writes_land_lands_them_and_rolls_back(tmp_path):
+    plain = _fail_reading_while_writes_land_then_retry(tmp_path / "plain")
+    windowed = _fail_reading_while_writes_land_then_retry(tmp_path / "window", overlap_bytes=1 << 40)
+    assert_same_training(plain, windowed)
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), windowed)
 
 
 def test_a_step_failing_after_its_walk_drops_its_deferred_writes_and_rolls_back(tmp_path):

@@ -20,7 +20,10 @@ the named buckets encoded on the device with their writes not yet submitted;
 ``land()`` submits them and retires those done, so they run during the caller's
 next forward; ``prefetch(window_bytes)`` reads more than ``depth`` buckets ahead,
 as the landed writes make room, never past a bucket still landing (a bucket is
-read only after its last write), and ``walk`` refuses while any is.
+read only after its last write). The next walk waits for each bucket's landing
+just before reading it, so the writes still landing run beside its reads (on a
+drive, waiting for all of them first would leave it writing alone, then reading
+alone); a failed one raises :class:`LandingError`.
 
 The walker knows nothing of Adam, rollback or checkpoints (the store's
 concerns); on a failure it stops every transfer it started and re-raises.
@@ -42,6 +45,12 @@ from miles_plugins.optimizers.homes.engines import Ticket, Transfer
 from miles_plugins.optimizers.step.adam import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 from miles_plugins.optimizers.step.entries import Entry, StepStats
+
+
+class LandingError(RuntimeError):
+    """A deferred write failed (its cause is the transfer's error), found by
+    :meth:`Pipeline.land` or by a walk waiting for it: that walk's state is not
+    the stored one. The store reports it naming the step that wrote it."""
 
 
 def leading_fit(buckets: Sequence[BucketLayout], nbytes: int) -> list[BucketLayout]:
@@ -176,17 +185,21 @@ class Pipeline:
         for ``visit`` to fill, and written back to the slot they were read
         from (rewriting mains outside a step; the moments stay as they are).
         ``defer``: indices of buckets whose writes wait for :meth:`land` (they stay
-        materialized, outside the ``depth`` count, in :attr:`landing`).
-        On a failure every flight is aborted (:meth:`abort`), those of ``defer`` too,
-        and the error re-raised.
+        materialized, outside the ``depth`` count, in :attr:`landing` once the walk is done).
+        The deferred writes of the walk before may still be landing: each is waited for
+        just before its bucket is read (:meth:`fetch`).
+        On a failure every flight of this walk is aborted (:meth:`abort`), those of
+        ``defer`` too, and the error re-raised; the writes of the walk before stay in
+        :attr:`landing`, theirs being the stored state.
         """
-        if self.landing:
+        if mains_only and self.landing:
             raise RuntimeError(
-                f"a walk with {len(self.landing)} deferred writes still pending: a bucket would be read "
-                "before its last write landed (the store lands them first)"
+                f"a walk rewriting mains with {len(self.landing)} deferred writes still pending: its writes "
+                "would race theirs (the store lands them first)"
             )
         ahead = deque() if mains_only else self._take_prefetched(stats)
         writing: deque[Flight] = deque()
+        deferred: deque[Flight] = deque()
         current = None
         try:
             for index in range(len(self.buckets)):
@@ -203,36 +216,47 @@ class Pipeline:
                         while writing:
                             self._retire_oldest(writing)
                 visit(current)
-                deferred = index in defer
-                self.store(current, stats, moments=not mains_only, submit=not deferred)
-                (self.landing if deferred else writing).append(current)
+                held = index in defer
+                self.store(current, stats, moments=not mains_only, submit=not held)
+                (deferred if held else writing).append(current)
                 current = None
             while writing:
                 self._retire_oldest(writing)
         except BaseException as exc:
             # After a timeout nothing more is waited for: the deadline has passed.
             wait_s = 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s
-            landing, self.landing = list(self.landing), deque()
-            self.abort([*ahead, *writing, *landing, *([current] if current else [])], wait_s)
+            self.abort([*ahead, *writing, *deferred, *([current] if current else [])], wait_s)
             raise
+        # Every bucket was read, so every earlier deferred write has landed.
+        assert not self.landing, "a deferred write outlived its bucket's next read"
+        self.landing = deferred
 
-    def land(self, block: bool) -> None:
+    def land(self, block: bool = False, through: int | None = None) -> None:
         """Move the deferred writes along: submit those not yet submitted, then retire
-        (wait for and release) the oldest while done, or all of them with ``block``.
-        On an error the rest are aborted and it is re-raised; an interrupt leaves
-        them pending for a later call."""
+        (wait for and release) the oldest while done; with ``block`` all of them, with
+        ``through`` at least those up to bucket ``through``'s.
+        On an error the rest are aborted and :class:`LandingError` raised; an interrupt
+        leaves them pending for a later call."""
+
+        def wanted(flight: Flight) -> bool:
+            return block or flight.writes is None or flight.writes.done() or self._landing(through)
+
         try:
             for flight in self.landing:
                 if flight.held is not None:
                     # ``held`` is cleared only once submitted: an interrupt before leaves it to submit again.
                     flight.writes = self.engine.write(flight.handle, *flight.held)
                     flight.held = None
-            while self.landing and (block or self.landing[0].writes.done()):
+            while self.landing and wanted(self.landing[0]):
                 self._retire_oldest(self.landing)
         except Exception as exc:
             landing, self.landing = list(self.landing), deque()
             self.abort(landing, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
-            raise
+            raise LandingError(f"a deferred write failed: {exc}") from exc
+
+    def _landing(self, index: int | None) -> bool:
+        """Whether bucket ``index``'s deferred write is still in :attr:`landing`."""
+        return index is not None and any(flight.bucket.index == index for flight in self.landing)
 
     def drop_landing(self) -> None:
         """Forget the deferred writes (the step that made them failed, or the state is
@@ -299,8 +323,8 @@ class Pipeline:
         """Materialize bucket ``index``'s mains (and moments) and submit their reads.
         A stored format other than fp32 lands in the first bytes of the tensor's
         own storage, decoded in place by :meth:`finish_fetch`."""
-        if any(flight.bucket.index == index for flight in self.landing):
-            raise RuntimeError(f"bucket {index} read while its deferred write is still landing")
+        if self._landing(index):
+            self.land(through=index)  # a bucket is read only after its last write has landed
         flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
         try:
             transfers: list[Transfer] = []
