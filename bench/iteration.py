@@ -34,8 +34,9 @@ Host memory: the host's ``MemAvailable`` is sampled every half second through ea
 
 The disk modes' bound: before the runs and after them, the drive of ``--disk-dir`` is
 measured as the disk tier uses it (:func:`drive_seconds_per_gb`: 4 GiB written while
-4 GiB are read, direct I/O), in each of ``DRIVE_SHAPES`` (``drive_probes``); the
-fastest probe (``drive``: the strictest bound) counts. A disk run's ``drive_bound_s``
+4 GiB are read, direct I/O), in each of ``DRIVE_SHAPES`` (``drive_probes``; after the
+runs only before ``--deadline-s``); the fastest probe (``drive``: the strictest bound)
+counts. A disk run's ``drive_bound_s``
 is that rate times the larger direction of what its step moves, and ``x_bound`` its
 s/iter against the larger of that and resident's forward and backward.
 
@@ -117,10 +118,6 @@ MODES.update(
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
     }
 )
-# Six buckets in flight instead of three: more transfers queued each way inside the step (the
-# step's buckets are on the device only while activations are not, so the peak stays the
-# window's). Measured slower on one H200 (2026-12-02: a 0.58 s step against 0.37 s).
-MODES["host+overlap-3g-deep"] = [*MODES["host+overlap-3g"], "--stream-optimizer-state-buckets-in-flight", "6"]
 MIN_ITERS = 5  # the median is taken from the third iteration on
 RUN_TIMEOUT_S = 300
 MIN_RUN_S = 120  # a run is not started with less time than this before the deadline
@@ -463,7 +460,7 @@ def measure(args: argparse.Namespace) -> None:
             )
             report["summary"] = summarize(report["runs"], report.get("drive"))
             _write(report, args.out)  # after every run: a call cut short keeps what it measured
-        if probes:
+        if probes and time.perf_counter() < deadline:
             # The drive's speed drifts over a call (its runs wrote tens of GB): probed again,
             # the fastest probe of the call bounds its runs (the strictest bound).
             report["drive"] = _probe_drive(disk, probes)

@@ -12,7 +12,8 @@ with ``times``, the ones after it) misbehave:
   kernel does there (a transfer of one block then completes);
 - ``"eof"``: return 0 (a read past the end of a truncated file; a write that
   makes no progress);
-- ``"hang"``: block for ``hang_s`` seconds first (a stalled drive), then do the call.
+- ``"hang"``: block for ``hang_s`` seconds first (a stalled drive), then do the call;
+- ``"late-eio"``: block for ``hang_s`` seconds, then raise ``EIO`` (a failure found late).
 
 Calls on any other file pass straight through, so the rest of the process
 (pytest, torch) is untouched. ``on_fault`` runs when a fault fires (a child
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-FAULTS = ("eio", "enospc", "short", "eof", "hang")
+FAULTS = ("eio", "enospc", "short", "eof", "hang", "late-eio")
 BLOCK = 4096  # the logical block size direct I/O transfers in
 OPS = ("read", "write", "fallocate")
 
@@ -82,7 +83,7 @@ class FaultPlan:
         return path
 
     def _error(self, path: str) -> OSError:
-        code = errno.EIO if self.fault == "eio" else errno.ENOSPC
+        code = errno.ENOSPC if self.fault == "enospc" else errno.EIO
         return OSError(code, os.strerror(code), path)
 
     def _transfer(self, real, op: str):
@@ -90,7 +91,9 @@ class FaultPlan:
             path = self._should_fire(fd) if self.op == op else None
             if path is None:
                 return real(fd, buffers, offset, *args)
-            if self.fault in ("eio", "enospc"):
+            if self.fault == "late-eio":
+                time.sleep(self.hang_s)
+            if self.fault in ("eio", "enospc", "late-eio"):
                 raise self._error(path)
             if self.fault == "eof":
                 return 0

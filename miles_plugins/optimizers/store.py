@@ -320,8 +320,12 @@ class StreamingStore:
             self._damaged = f"step {self.steps_taken + 1} failed and its roll-back was interrupted"
             if walked:
                 self._pipeline.drop_landing()  # this step's deferred writes must not land
-            else:
-                self._land(block=True)  # the previous step's must: the roll-back reads their buckets
+            elif not self._pipeline.hung:
+                # The previous step's must: they are the stored state, and one that failed
+                # is reported (naming its step) instead of rolling back onto lost state.
+                # Not after a hang: the roll-back refuses then, and waiting again would
+                # double the time a hung drive takes to fail.
+                self._land(block=True)
             self._damaged = rollback.undo(exc)
             raise
         # With deferred writes still landing too: no roll-back is left to need the previous
@@ -374,8 +378,8 @@ class StreamingStore:
         a no-op otherwise, or when already started). Call it as early as the
         caller can, e.g. before the grad-norm reduction: the reads then overlap it.
         Anything that changes the stored state first drops what was prefetched.
-        With an overlap window, the last step's deferred writes land first (waited
-        for), and the reads fill the window."""
+        With an overlap window the reads fill the window, stopping before a bucket
+        whose deferred write is still landing (the step waits for that one)."""
         self._check_open()
         if self.config.pipelined:
             self._land()  # reads stop before a bucket still landing; the step waits for it

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError
-from miles_plugins.optimizers.errors import StoreUnusableError
+from miles_plugins.optimizers.errors import StoreUnusableError, StreamIOTimeout
 from tests.faults import FaultPlan
 from tests.unit.reference import assert_same_training, between_steps, loss_fn, reference_run
 from tests.unit.test_checkpoint import STEPS, fresh, state_of
@@ -211,14 +211,16 @@ def test_the_next_step_reads_while_the_last_ones_writes_still_land(tmp_path):
 
 @pytest.mark.parametrize("found_by", ["progress", "next-step"])
 def test_a_deferred_write_that_fails_is_reported_and_the_store_refuses(tmp_path, found_by):
-    """Found by a forward's progress() or by the next step's walk waiting for it, the
-    failure names the step that wrote it, and the step and the save refuse."""
+    """Found by a forward's progress() or by the next step's walk waiting for it (the
+    write fails 0.5 s late, so the step's walk is already under way), the failure
+    names the step that wrote it, and the step and the save refuse."""
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
     _train(model, optimizer, scheduler, streamed, range(3))
     loss_fn(model, 3).backward()
     optimizer.step()  # returns with its writes deferred
     optimizer.zero_grad()
-    with FaultPlan(tmp_path / "scratch", "write", nth=1, fault="eio") as plan:
+    fault = dict(fault="eio") if found_by == "progress" else dict(fault="late-eio", hang_s=0.5)
+    with FaultPlan(tmp_path / "scratch", "write", nth=1, **fault) as plan:
         with pytest.raises(StoreUnusableError, match=r"writes of step 4, deferred .* failed .*Input/output error"):
             if found_by == "progress":
                 _progress_until(streamed, lambda: False)
@@ -280,6 +282,64 @@ def _fail_reading_while_writes_land_then_retry(tmp_path, **config):
     state = state_of(model, streamed)
     streamed.close()
     return state
+
+
+def test_a_step_failing_while_a_deferred_write_fails_reports_the_write(tmp_path):
+    """Step 5's read fails while one of step 4's deferred writes is failing too: the
+    lost write is what is reported (the store refuses), not rolled back onto. Five
+    buckets: the walk's first reads (three in flight) do not reach the deferred two."""
+    probe = fresh(tmp_path / "probe", "rank0", bucket_cap_elements=800)[3]
+    assert len(probe.store.buckets) == 5
+    window = sum(_bucket_bytes(probe)[-2:])  # the last two buckets' writes are deferred
+    probe.close()
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", bucket_cap_elements=800, overlap_bytes=window)
+    _train(model, optimizer, scheduler, streamed, range(4))
+    loss_fn(model, 4).backward()
+    scratch = tmp_path / "scratch"
+    with (
+        FaultPlan(scratch, "write", nth=1, fault="late-eio", hang_s=0.5) as write,
+        FaultPlan(scratch, "read", nth=1, fault="eio") as read,
+    ):
+        with pytest.raises(StoreUnusableError, match=r"writes of step 4, deferred .* failed .*Input/output error"):
+            optimizer.step()
+    assert write.fired == read.fired == 1
+    with pytest.raises(StoreUnusableError, match="step 4"):
+        optimizer.step()
+    streamed.close()
+
+
+@pytest.mark.parametrize("first", ["read", "deferred-write"])
+def test_a_hung_drive_fails_the_step_within_one_timeout(tmp_path, first):
+    """Reads and writes both stall: the step fails once ``io_timeout_s`` has passed,
+    whether its own read or the last step's deferred write is found stalled first,
+    and never waits a second timeout for the other (it once took twice as long)."""
+    timeout_s = 0.5
+    probe = fresh(tmp_path / "probe", "rank0", bucket_cap_elements=800)[3]
+    sizes = _bucket_bytes(probe)
+    probe.close()
+    # Two buckets deferred: the walk's first reads (three in flight) stall first. Three: the
+    # walk reads buckets 0 and 1, then waits for bucket 2's deferred write before reading it.
+    window = sum(sizes[-2:]) if first == "read" else sum(sizes[-3:])
+    model, optimizer, scheduler, streamed = fresh(
+        tmp_path, "rank0", bucket_cap_elements=800, overlap_bytes=window, io_timeout_s=timeout_s
+    )
+    _train(model, optimizer, scheduler, streamed, range(4))
+    loss_fn(model, 4).backward()
+    scratch = tmp_path / "scratch"
+    expected = StreamIOTimeout if first == "read" else StoreUnusableError
+    with (
+        FaultPlan(scratch, "write", nth=1, fault="hang", hang_s=3.0, times=None),
+        FaultPlan(scratch, "read", nth=1, fault="hang", hang_s=3.0, times=None),
+    ):
+        start = time.monotonic()
+        with pytest.raises(expected, match="did not complete within"):
+            optimizer.step()
+        waited = time.monotonic() - start
+        with pytest.raises(StoreUnusableError):
+            optimizer.step()
+        time.sleep(3.0)  # let the stalled calls land before the process frees anything
+    streamed.close()
+    assert waited <= 1.5 * timeout_s
 
 
 def test_a_step_failing_while_the_last_ones_writes_land_lands_them_and_rolls_back(tmp_path):

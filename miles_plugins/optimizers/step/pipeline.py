@@ -190,7 +190,8 @@ class Pipeline:
         just before its bucket is read (:meth:`fetch`).
         On a failure every flight of this walk is aborted (:meth:`abort`), those of
         ``defer`` too, and the error re-raised; the writes of the walk before stay in
-        :attr:`landing`, theirs being the stored state.
+        :attr:`landing`, theirs being the stored state (unless one of them failed:
+        :class:`LandingError`, and :meth:`land` aborted them all).
         """
         if mains_only and self.landing:
             raise RuntimeError(
@@ -223,13 +224,15 @@ class Pipeline:
             while writing:
                 self._retire_oldest(writing)
         except BaseException as exc:
-            # After a timeout nothing more is waited for: the deadline has passed.
-            wait_s = 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s
-            self.abort([*ahead, *writing, *deferred, *([current] if current else [])], wait_s)
+            # After a timeout (a deferred write's too) nothing more is waited for: the deadline has passed.
+            timed_out = isinstance(exc, StreamIOTimeout) or isinstance(exc.__cause__, StreamIOTimeout)
+            self.abort(
+                [*ahead, *writing, *deferred, *([current] if current else [])], 0.0 if timed_out else self.io_timeout_s
+            )
             raise
-        # Every bucket was read, so every earlier deferred write has landed.
-        assert not self.landing, "a deferred write outlived its bucket's next read"
-        self.landing = deferred
+        # Every bucket was read, so the earlier deferred writes have all landed: the
+        # oldest first holds all the same.
+        self.landing.extend(deferred)
 
     def land(self, block: bool = False, through: int | None = None) -> None:
         """Move the deferred writes along: submit those not yet submitted, then retire
