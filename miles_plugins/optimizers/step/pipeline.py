@@ -224,11 +224,11 @@ class Pipeline:
             while writing:
                 self._retire_oldest(writing)
         except BaseException as exc:
-            # After a timeout (a deferred write's too) nothing more is waited for: the deadline has passed.
+            # After a timeout (a deferred write's too) nothing more is waited for: the deadline has
+            # passed. So after a hang land() found: the same drive holds these transfers.
             timed_out = isinstance(exc, StreamIOTimeout) or isinstance(exc.__cause__, StreamIOTimeout)
-            self.abort(
-                [*ahead, *writing, *deferred, *([current] if current else [])], 0.0 if timed_out else self.io_timeout_s
-            )
+            wait_s = 0.0 if timed_out or self.hung else self.io_timeout_s
+            self.abort([*ahead, *writing, *deferred, *([current] if current else [])], wait_s)
             raise
         # Every bucket was read, so the earlier deferred writes have all landed: the
         # oldest first holds all the same.
@@ -264,11 +264,11 @@ class Pipeline:
     def drop_landing(self) -> None:
         """Forget the deferred writes (the step that made them failed, or the state is
         being deleted): those never submitted are released at once, the others once
-        no transfer touches their memory."""
+        no transfer touches their memory (not waited for after a hang)."""
         landing, self.landing = list(self.landing), deque()
         for flight in landing:
             flight.held = None
-        self.abort(landing, self.io_timeout_s)
+        self.abort(landing, 0.0 if self.hung else self.io_timeout_s)
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
