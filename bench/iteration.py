@@ -36,9 +36,9 @@ The disk modes' bound: before the runs and after them, the drive of ``--disk-dir
 measured as the disk tier uses it (:func:`drive_seconds_per_gb`: 4 GiB written while
 4 GiB are read, direct I/O), in each of ``DRIVE_SHAPES`` (``drive_probes``; after the
 runs only before ``--deadline-s``); the fastest probe (``drive``: the strictest bound)
-counts. A disk run's ``drive_bound_s``
-is that rate times the larger direction of what its step moves, and ``x_bound`` its
-s/iter against the larger of that and resident's forward and backward.
+counts. A disk run's ``drive_bound_s`` is that rate times the larger direction of what
+its step moves, and ``x_bound`` its s/iter against the larger of that and resident's
+forward and backward.
 
 A call of the GPU machine lasts at most 600 s, and a run about one to three minutes: each
 invocation runs what fits before ``--deadline-s`` (a run gets the time left, its stop's

@@ -83,7 +83,7 @@ class FaultPlan:
         return path
 
     def _error(self, path: str) -> OSError:
-        code = errno.ENOSPC if self.fault == "enospc" else errno.EIO
+        code = errno.EIO if self.fault in ("eio", "late-eio") else errno.ENOSPC
         return OSError(code, os.strerror(code), path)
 
     def _transfer(self, real, op: str):
