@@ -107,13 +107,17 @@ MODES = {
 # The overlap window (``--stream-optimizer-state-overlap-gb``) beside each placement: "X+overlap"
 # is X with a window of the whole state beyond the gpu home (12.8 GiB materialized), so every
 # transfer may leave the step; "host+overlap-3g" holds about what dev at fraction 1 holds
-# beyond our host mode (3420 MiB of peak reserved, measured 2026-12-02).
+# beyond our host mode (3420 MiB of peak reserved, measured 2026-12-02), "host+overlap-6.5g"
+# and "gpu+host+overlap-1g" a little less than dev at fraction 0.5 (7.4 GiB beyond host,
+# 1.4 beyond gpu+host).
 OVERLAP = "+overlap"
 MODES.update(
     {
         "host+overlap": [*MODES["host"], "--stream-optimizer-state-overlap-gb", "13"],
         "host+overlap-3g": [*MODES["host"], "--stream-optimizer-state-overlap-gb", "3"],
+        "host+overlap-6.5g": [*MODES["host"], "--stream-optimizer-state-overlap-gb", "6.5"],
         "gpu+host+overlap": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "6.6"],
+        "gpu+host+overlap-1g": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "1"],
         "disk+overlap": [*MODES["disk"], "--stream-optimizer-state-overlap-gb", "13"],
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
     }

@@ -61,6 +61,50 @@ def test_cuda_every_tier_and_engine(tmp_path, tier, engine, main_storage, moment
     streamed.close()
 
 
+def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tmp_path):
+    """The host home's pinned buffers: the pipelined engine queues their copies whole on
+    its copy streams (no reader or writer thread gets a request), the steps stay
+    byte-identical, and a ticket whose copies wait behind busy device work times out
+    as a hung drive's would, then completes once that work is done."""
+    from miles_plugins.optimizers.errors import StreamIOTimeout
+    from miles_plugins.optimizers.homes.backings import BufferHandle
+    from miles_plugins.optimizers.homes.engines import PipelinedEngine
+    from miles_plugins.optimizers.homes.host_memory import HostMemory
+
+    submitted = []
+    submit = PipelinedEngine._submit
+
+    def counting_submit(self, pools, op, handle, *args):
+        submitted.append(handle.read_path)
+        return submit(self, pools, op, handle, *args)
+
+    ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS, device="cuda")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PipelinedEngine, "_submit", counting_submit)
+        params, state, streamed = streamed_run(
+            torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, device="cuda", tier="host", overlap_bytes=1 << 30
+        )
+    assert submitted == [], f"{len(submitted)} host-memory requests went through threads"
+    assert_same_training((ref_params, ref_state), (params, state))
+    streamed.close()
+
+    engine = PipelinedEngine(1, 1 << 20, True, torch.device("cuda"), timeout_s=5.0)
+    memory = HostMemory(64 << 20, pin=True)
+    memory.tensor.fill_(7)
+    dst = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time on the caller's stream
+    ready = torch.cuda.Event()
+    ready.record()
+    ticket = engine.read(BufferHandle(memory.tensor, "<pinned>", dma=True), [(0, dst)], ready)
+    assert not ticket.done()
+    with pytest.raises(StreamIOTimeout):
+        ticket.wait(0.05)
+    ticket.wait()
+    assert ticket.done() and bool((dst == 7).all())
+    engine.close()
+    memory.release()
+
+
 def test_fused_adam_steps_read_no_device_scalar_to_the_host(tmp_path, monkeypatch):
     """fused=True keeps each param's step count on the device: a streamed step must
     never read one back (``.item()`` on a CUDA tensor is a device synchronization;

@@ -35,7 +35,7 @@ class FileHandle:
     chunk (at most the staging buffer) at an aligned offset; with direct I/O the
     transfer is rounded up to the alignment, which the layout reserves as padding."""
 
-    on_caller_stream = False
+    on_caller_stream = dma = False
 
     def __init__(self, read_path: str, write_path: str, direct: bool, io_queue: int = 0) -> None:
         self.read_path, self.write_path = read_path, write_path
@@ -194,20 +194,30 @@ def _direct_io_works(path: str) -> bool:
 class BufferHandle:
     """One bucket's buffer in memory (host or device); chunks copy straight between
     it and the tensors being streamed. ``on_caller_stream``: the engine runs its
-    copies on the caller's thread and stream (see :class:`PipelinedEngine`)."""
+    copies on the caller's thread and stream; ``dma`` (pinned host memory, CUDA
+    tensors): it queues them as asynchronous copies on its own copy streams (see
+    :class:`PipelinedEngine`). ``read`` / ``write`` return once the bytes are
+    there; ``read_async`` / ``write_async`` only queue the copy on the current stream."""
 
     io_queue = 0
 
-    def __init__(self, buffer: torch.Tensor, name: str, on_caller_stream: bool = False) -> None:
+    def __init__(self, buffer: torch.Tensor, name: str, on_caller_stream: bool = False, dma: bool = False) -> None:
         self.buffer = buffer
         self.read_path = self.write_path = name
         self.on_caller_stream = on_caller_stream
+        self.dma = dma
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory | None) -> None:
         dst.copy_(self.buffer[offset : offset + dst.numel()])
 
     def write(self, offset: int, src: torch.Tensor, staging: HostMemory | None) -> None:
         self.buffer[offset : offset + src.numel()].copy_(src)
+
+    def read_async(self, offset: int, dst: torch.Tensor) -> None:
+        dst.copy_(self.buffer[offset : offset + dst.numel()], non_blocking=True)
+
+    def write_async(self, offset: int, src: torch.Tensor) -> None:
+        self.buffer[offset : offset + src.numel()].copy_(src, non_blocking=True)
 
     def close(self) -> None:
         pass
@@ -238,7 +248,8 @@ class HostBacking:
         return False
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
-        return BufferHandle(self.buffers[bucket.index].tensor, f"<host memory of bucket {bucket.index}>")
+        memory = self.buffers[bucket.index]
+        return BufferHandle(memory.tensor, f"<host memory of bucket {bucket.index}>", dma=memory.pinned)
 
     def commit(self) -> None:
         pass

@@ -4,8 +4,9 @@
 buffer (the baseline); :class:`PipelinedEngine` runs them on reader and writer
 threads, several requests in flight per direction, each thread with its own
 staging chunk and CUDA stream, so reads of one bucket and writes of another
-overlap each other and the caller's compute. A submission returns a
-:class:`Ticket` to wait on.
+overlap each other and the caller's compute (pinned host memory needs no thread:
+its copies are queued whole on a copy stream per direction). A submission
+returns a :class:`Ticket` to wait on.
 
 Host memory for streaming is the staging chunks, whatever the state size (the
 host home adds the state itself, which is its point).
@@ -17,6 +18,7 @@ import concurrent.futures
 import errno
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,31 +30,50 @@ from miles_plugins.optimizers.homes.host_memory import HostMemory
 Transfer = tuple[int, torch.Tensor]
 
 
+# How often a wait on queued device copies checks them: a poll, not a blocking
+# synchronize, so that a wait keeps its timeout; a bucket's copies take milliseconds.
+_EVENT_POLL_S = 50e-6
+
+
 class Ticket:
     """Transfers submitted together; ``wait()`` returns when all are done and
     raises the first failure (after every transfer has stopped touching memory),
     or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``
     (or the ``timeout_s`` given to that wait: an abort after a failure waits
-    only for what is left of its own deadline)."""
+    only for what is left of its own deadline). A transfer is a thread's request
+    (a future) or copies queued on a device stream (a CUDA event recorded after them)."""
 
     def __init__(
-        self, futures: Sequence[concurrent.futures.Future] = (), name: str = "", timeout_s: float | None = None
+        self,
+        futures: Sequence[concurrent.futures.Future] = (),
+        name: str = "",
+        timeout_s: float | None = None,
+        events: Sequence[torch.cuda.Event] = (),
     ) -> None:
         self._futures = list(futures)
+        self._events = list(events)
         self._name = name
         self._timeout_s = timeout_s
 
     def done(self) -> bool:
         """Whether every transfer has finished (successfully or not); never blocks."""
-        return all(future.done() for future in self._futures)
+        return all(future.done() for future in self._futures) and all(event.query() for event in self._events)
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
+        while self._events and not pending:
+            if self._events[0].query():
+                self._events.pop(0)
+            elif deadline is not None and time.monotonic() >= deadline:
+                pending = self._events
+            else:
+                time.sleep(_EVENT_POLL_S)
         if pending:
             raise StreamIOTimeout(
                 f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
-                f"{len(self._futures)} requests still pending (a hung drive?)",
+                f"{len(self._futures) + len(self._events)} requests still pending (a hung drive?)",
                 self._name,
                 0,
                 errno.ETIMEDOUT,
@@ -163,6 +184,14 @@ class PipelinedEngine:
     device copy runs on that stream and is complete before the thread takes its
     next request, so a staging chunk is never reused while a copy reads it.
 
+    A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging:
+    its transfers are queued whole, as asynchronous copies on one copy stream
+    per direction, from the caller's thread; the ticket waits for an event after
+    them: no thread hand-off per 16 MiB request, and no Python thread competing
+    for the interpreter with the caller issuing the update. Measured on an H200
+    (pinned buffers of 768 MiB, reading one while writing another): 45.4-45.8
+    GB/s each way at once, against 43.0-43.7 through the threads.
+
     Ordering with the caller's stream: ``ready`` is an event the caller records
     after the last work that must come first; each request's copy waits for it
     on the device. A write needs it (the update must be done before its bytes
@@ -192,6 +221,8 @@ class PipelinedEngine:
 
         self._readers = [_DaemonPool(threads, f"stream-read{q}", init_worker) for q in range(queues)]
         self._writers = [_DaemonPool(threads, f"stream-write{q}", init_worker) for q in range(queues)]
+        # One per direction: a stream's copies run in order, the two streams' at once.
+        self._copy_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else None
 
     def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         local = self._local
@@ -204,9 +235,13 @@ class PipelinedEngine:
             op(offset, tensor, local.staging)
 
     def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        if handle.dma and self._copy_streams:
+            return self._queue_copies(self._copy_streams[0], handle.read_async, handle.read_path, transfers, ready)
         return self._submit(self._readers, handle.read, handle, handle.read_path, transfers, ready)
 
     def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+        if handle.dma and self._copy_streams:
+            return self._queue_copies(self._copy_streams[1], handle.write_async, handle.write_path, transfers, ready)
         return self._submit(self._writers, handle.write, handle, handle.write_path, transfers, ready)
 
     def _submit(self, pools, op, handle, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
@@ -217,6 +252,17 @@ class PipelinedEngine:
             return Ticket()
         pool = pools[handle.io_queue]
         return Ticket([pool.submit(self._run, op, o, t, ready) for o, t in chunks], path, self.timeout_s)
+
+    def _queue_copies(self, stream, copy, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
+        """Queue ``copy(offset, tensor)`` of every transfer on ``stream`` after ``ready``."""
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for offset, tensor in transfers:
+                copy(offset, tensor)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return Ticket(name=path, timeout_s=self.timeout_s, events=[done])
 
     def idle_buffer(self) -> HostMemory:
         """A staging chunk the caller may use while no transfer is in flight."""

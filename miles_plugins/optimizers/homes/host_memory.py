@@ -59,6 +59,11 @@ class HostMemory:
                 )
             self._pinned = True
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory is page-locked (device copies to and from it are DMA)."""
+        return self._pinned
+
     def release(self) -> None:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
