@@ -1,12 +1,15 @@
 """Storage released between steps, lazy moments, residency bound, counters, refresh."""
 
 import logging
+import time
 
 import pytest
 import torch
 
 from miles_plugins.optimizers import StoreUnusableError, StreamConfig, StreamConfigError, StreamedOptimizer
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
+from miles_plugins.optimizers.step.pipeline import Pipeline
+from tests.faults import FaultPlan
 from tests.unit.reference import same_bytes
 
 
@@ -17,7 +20,7 @@ def _model():
 
 
 def _backward(model, step):
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).to(next(model.parameters()).dtype)
     model(x).float().pow(2).mean().backward()
 
 
@@ -87,6 +90,42 @@ def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine, moment_
     assert 0 < store.accounted_max_state_bytes <= store.config.depth * store.bucket_bytes_max
     if engine == "pipelined":  # reads run ahead: more than one bucket was on the device at once
         assert store.accounted_max_state_bytes > store.bucket_bytes_max
+    streamed.close()
+
+
+def test_a_stalled_write_does_not_hold_up_the_next_bucket_already_read(tmp_path, monkeypatch):
+    """The walk waits for a write only when the bucket it needs next has not started
+    reading: the first bucket's write stalled 1 s (a slow drive) delays neither the
+    second bucket's update nor the step's result (that of resident AdamW). Before, the
+    walk retired that write before it went on (a bucket's update waited for the
+    write before it, so the writes never ran back to back)."""
+    model, resident = _model().float(), _model().float()  # fp32 params: resident AdamW is the reference
+    optimizer, streamed = _streamed(tmp_path, model)
+    reference = torch.optim.AdamW(resident.parameters(), lr=1e-2)
+    assert len(streamed.store.buckets) >= 3
+    decoded = []
+    finish_fetch = Pipeline.finish_fetch
+
+    def timed_finish_fetch(self, flight):
+        finish_fetch(self, flight)
+        decoded.append((flight.bucket.index, time.monotonic()))
+
+    monkeypatch.setattr(Pipeline, "finish_fetch", timed_finish_fetch)
+    for step in range(3):
+        for m, opt in ((model, optimizer), (resident, reference)):
+            _backward(m, step)
+            if step == 2 and m is model:
+                decoded.clear()
+                with FaultPlan(tmp_path, "write", nth=1, fault="hang", hang_s=1.0) as plan:
+                    start = time.monotonic()
+                    opt.step()
+                assert plan.fired == 1
+            else:
+                opt.step()
+            opt.zero_grad()
+    ready = dict(decoded)
+    assert ready[1] - start < 0.5, f"bucket 1 was ready {ready[1] - start:.2f} s into the step"
+    assert all(same_bytes(a, b) for a, b in zip(model.parameters(), resident.parameters(), strict=True))
     streamed.close()
 
 

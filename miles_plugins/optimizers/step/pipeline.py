@@ -13,7 +13,11 @@ Reads of the next buckets and writes of the previous ones overlap the current
 bucket's visit. At most ``depth`` buckets are materialized at once (the
 computing one, the ones read ahead, the ones still writing), so optimizer state
 on the device is bounded by ``depth`` times the largest bucket; the sync engine
-runs with ``depth`` 1. ``prefetch()`` starts the first reads before the walk.
+runs with ``depth`` 1. The walk blocks on a write only when the bucket it needs
+next has not started reading: otherwise each update and write queue behind the
+writes still running (the writes then run back to back), and a read starts as
+soon as a finished write makes room. ``prefetch()`` starts the first reads
+before the walk.
 
 Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
 the named buckets encoded on the device with their writes not yet submitted;
@@ -210,7 +214,16 @@ class Pipeline:
                     for _, main in (t for k in range(len(current.entries)) for t in current.tensors(k, False)):
                         self.accounting.materialize(main)
                 else:
-                    self._read_ahead(index, index + self.depth - 1, ahead, writing, stats)
+                    # Wait for a write only when this bucket is not even being read: a bucket's
+                    # update and write otherwise queue right behind the writes still running,
+                    # and the next reads start as those writes finish.
+                    if not ahead:
+                        self._read_ahead(index, index, ahead, writing, stats)
+                    # Except at the first bucket written in place, where every write before it is
+                    # waited for anyway: the buckets after it are fetched (allocated, read) first,
+                    # so a failure there comes while the step can still be rolled back.
+                    drain = index == self.drain_before
+                    self._read_ahead(index, index + self.depth - 1, ahead, writing, stats, wait=drain)
                     current = ahead.popleft()
                     self.finish_fetch(current)
                     if index == self.drain_before:
@@ -388,12 +401,15 @@ class Pipeline:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _make_room(self, ahead: deque[Flight], writing: deque[Flight], room: int | None = None) -> bool:
+    def _make_room(
+        self, ahead: deque[Flight], writing: deque[Flight], room: int | None = None, wait: bool = True
+    ) -> bool:
         """Retire the oldest writes until another bucket may be materialized (at most
         ``room`` in flight, default ``depth``); False when the buckets in flight are
-        all still being read or computed."""
+        all still being read or computed, or (without ``wait``) the oldest write is
+        still running."""
         while len(ahead) + len(writing) >= (room or self.depth):
-            if not writing:
+            if not writing or not (wait or writing[0].writes is None or writing[0].writes.done()):
                 return False
             self._retire_oldest(writing)
         return True
@@ -406,12 +422,14 @@ class Pipeline:
         writing: deque[Flight],
         stats: StepStats,
         room: int | None = None,
+        wait: bool = True,
     ) -> None:
         """Start fetching buckets ``first`` to ``last``, after those in ``ahead``,
-        while the buckets in flight allow it (``_make_room``)."""
+        while the buckets in flight allow it (``_make_room``, waiting for writes to
+        finish only with ``wait``)."""
         started = (ahead[-1].bucket.index + 1) if ahead else first
         for index in range(started, min(last, len(self.buckets) - 1) + 1):
-            if not self._make_room(ahead, writing, room):
+            if not self._make_room(ahead, writing, room, wait):
                 return
             ahead.append(self.fetch(index, stats))
 
