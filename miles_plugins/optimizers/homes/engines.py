@@ -255,13 +255,19 @@ class PipelinedEngine:
 
     def _queue_copies(self, stream, copy, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
         """Queue ``copy(offset, tensor)`` of every transfer on ``stream`` after ``ready``."""
-        with torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)
-            for offset, tensor in transfers:
-                copy(offset, tensor)
-            done = torch.cuda.Event()
-            done.record(stream)
+        try:
+            with torch.cuda.stream(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                for offset, tensor in transfers:
+                    copy(offset, tensor)
+        except BaseException:
+            # No ticket reaches the caller, who releases the tensors now: nothing queued so far
+            # may still touch them (an interrupt between two copies, a CUDA error).
+            stream.synchronize()
+            raise
+        done = torch.cuda.Event()
+        done.record(stream)
         return Ticket(name=path, timeout_s=self.timeout_s, events=[done])
 
     def idle_buffer(self) -> HostMemory:
