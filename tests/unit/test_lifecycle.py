@@ -94,11 +94,11 @@ def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine, moment_
 
 
 def test_a_stalled_write_does_not_hold_up_the_next_bucket_already_read(tmp_path, monkeypatch):
-    """The walk waits for a write only when the bucket it needs next has not started
-    reading: the first bucket's write stalled 1 s (a slow drive) delays neither the
-    second bucket's update nor the step's result (that of resident AdamW). Before, the
-    walk retired that write before it went on (a bucket's update waited for the
-    write before it, so the writes never ran back to back)."""
+    """The walk never waits for the newest write: the first bucket's write stalled 1 s
+    (a slow drive) delays neither the second bucket's update nor the step's result
+    (that of resident AdamW), and the buckets in flight stay within ``depth``. Before,
+    the walk retired that write before it went on (each bucket's update waited for
+    the write before it, so the writes never ran back to back)."""
     model, resident = _model().float(), _model().float()  # fp32 params: resident AdamW is the reference
     optimizer, streamed = _streamed(tmp_path, model)
     reference = torch.optim.AdamW(resident.parameters(), lr=1e-2)
@@ -125,6 +125,8 @@ def test_a_stalled_write_does_not_hold_up_the_next_bucket_already_read(tmp_path,
             opt.zero_grad()
     ready = dict(decoded)
     assert ready[1] - start < 0.5, f"bucket 1 was ready {ready[1] - start:.2f} s into the step"
+    store = streamed.store
+    assert store.accounted_max_state_bytes <= store.config.depth * store.bucket_bytes_max
     assert all(same_bytes(a, b) for a, b in zip(model.parameters(), resident.parameters(), strict=True))
     streamed.close()
 

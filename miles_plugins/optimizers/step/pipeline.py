@@ -4,20 +4,19 @@ A bucket in flight is a :class:`Flight`. :meth:`Pipeline.walk` takes every
 bucket through
 
     fetch    materialize its fp32 mains and moments, read their stored bytes
-             (engine threads), decode them in place;
+             (the engine), decode them in place;
     visit    the caller's work on the materialized bucket (the Adam update);
-    store    encode in place and submit the writes (engine threads);
+    store    encode in place and submit the writes (the engine);
     retire   wait for the writes, release the bucket's device memory.
 
 Reads of the next buckets and writes of the previous ones overlap the current
 bucket's visit. At most ``depth`` buckets are materialized at once (the
 computing one, the ones read ahead, the ones still writing), so optimizer state
 on the device is bounded by ``depth`` times the largest bucket; the sync engine
-runs with ``depth`` 1. The walk blocks on a write only when the bucket it needs
-next has not started reading: otherwise each update and write queue behind the
-writes still running (the writes then run back to back), and a read starts as
-soon as a finished write makes room. ``prefetch()`` starts the first reads
-before the walk.
+runs with ``depth`` 1. The walk never waits for the newest write: each bucket's
+update and write queue behind it, so the writes run back to back; a read ahead
+starts at a bucket boundary, once every write but the newest has finished.
+``prefetch()`` starts the first reads before the walk.
 
 Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
 the named buckets encoded on the device with their writes not yet submitted;
@@ -214,14 +213,14 @@ class Pipeline:
                     for _, main in (t for k in range(len(current.entries)) for t in current.tensors(k, False)):
                         self.accounting.materialize(main)
                 else:
-                    # Wait for a write only when this bucket is not even being read: a bucket's
-                    # update and write otherwise queue right behind the writes still running,
-                    # and the next reads start as those writes finish.
-                    if not ahead:
-                        self._read_ahead(index, index, ahead, writing, stats)
-                    # Except at the first bucket written in place, where every write before it is
+                    # This bucket and the next ones, waiting for every write but the newest: this
+                    # update (and its write) queue behind the write still running, so the writing
+                    # direction never idles for an update, and the next read starts as the write
+                    # before it finishes. Further ahead only as far as finished writes allow,
+                    # except at the first bucket written in place, where every write before it is
                     # waited for anyway: the buckets after it are fetched (allocated, read) first,
                     # so a failure there comes while the step can still be rolled back.
+                    self._read_ahead(index, index + max(0, self.depth - 2), ahead, writing, stats)
                     drain = index == self.drain_before
                     self._read_ahead(index, index + self.depth - 1, ahead, writing, stats, wait=drain)
                     current = ahead.popleft()
@@ -385,8 +384,8 @@ class Pipeline:
         for segment, k, tensor, _ in items:
             transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
             stats.bytes_written += segment.entry_nbytes[k]
-        # The writer threads copy on their own streams, after the update and the
-        # encoding queued on this one.
+        # The engine copies on its own streams (its threads', or its copy streams for
+        # pinned host memory), after the update and the encoding queued on this one.
         if submit:
             flight.writes = self.engine.write(flight.handle, transfers, self._ready_event())
         else:
