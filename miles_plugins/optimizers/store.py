@@ -484,7 +484,9 @@ class StreamingStore:
         hung = self._pipeline is not None and self._pipeline.hung
         if self._engine is not None:
             self._engine.close(wait=not hung)
-        if self._backing is not None:
+        if self._backing is not None and not hung:
+            # After a hang a late copy may still reach the host home's pinned buffers: they are
+            # abandoned (unpinned and unmapped only at exit), as the engine's staging is.
             self._backing.release()
         self._backing = None
         if self.placed is not None:

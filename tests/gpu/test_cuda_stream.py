@@ -37,8 +37,9 @@ def test_cuda_streamed_state_is_byte_identical_to_resident(tmp_path, opt_cls, dt
     ],
 )
 def test_cuda_every_tier_and_engine(tmp_path, tier, engine, main_storage, moment_dtype):
-    """Reader/writer threads on their own CUDA streams, pinned host buffers, remainder
-    mains decoded on the device: fp32 storage stays byte-identical; bf16 moments
+    """Reader/writer threads on their own CUDA streams (disk), copies queued on the
+    engine's copy streams (pinned host buffers), remainder mains decoded on the
+    device: fp32 storage stays byte-identical; bf16 moments
     (a storage format) keep the params within BF16_MAIN_TOLERANCE (absolute, the
     CPU tier's stated bound: test_moment_dtypes.py) of the fp32-moment run."""
     ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS, device="cuda")
@@ -64,8 +65,10 @@ def test_cuda_every_tier_and_engine(tmp_path, tier, engine, main_storage, moment
 def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tmp_path):
     """The host home's pinned buffers: the pipelined engine queues their copies whole on
     its copy streams (no reader or writer thread gets a request), the steps stay
-    byte-identical, and a ticket whose copies wait behind busy device work times out
-    as a hung drive's would, then completes once that work is done."""
+    byte-identical with a window of about two buckets (some writes deferred past the
+    step, the others waited for inside it), and a ticket whose copies wait behind
+    busy device work times out as a hung drive's would, then completes once that
+    work is done."""
     from miles_plugins.optimizers.errors import StreamIOTimeout
     from miles_plugins.optimizers.homes.backings import BufferHandle
     from miles_plugins.optimizers.homes.engines import PipelinedEngine
@@ -82,7 +85,7 @@ def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tm
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PipelinedEngine, "_submit", counting_submit)
         params, state, streamed = streamed_run(
-            torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, device="cuda", tier="host", overlap_bytes=1 << 30
+            torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, device="cuda", tier="host", overlap_bytes=40_000
         )
     assert submitted == [], f"{len(submitted)} host-memory requests went through threads"
     assert_same_training((ref_params, ref_state), (params, state))

@@ -133,6 +133,37 @@ def test_an_interrupt_during_the_roll_back_leaves_the_store_refusing_to_step(tmp
     _resume_from_checkpoint_matches(tmp_path, ckpt)
 
 
+def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_memory(tmp_path, monkeypatch):
+    """A second Ctrl-C while a failed step waits for the transfers still in flight: they
+    may still run, so their memory must stay allocated (the roll-back would otherwise
+    read into blocks a late copy still writes), the interrupt reaches the caller and
+    the store refuses; the last checkpoint still resumes. (The interrupt is raised in
+    the first of those waits, standing in for a signal's arrival there; the abort once
+    swallowed it and released the memory.)"""
+    from miles_plugins.optimizers.homes.engines import Ticket
+
+    ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
+    wait = Ticket.wait
+    interrupts = []
+
+    def interrupted_abort_wait(self, timeout_s=None):
+        if timeout_s is not None and not interrupts:  # the walk's own waits pass no timeout
+            interrupts.append(self)
+            raise KeyboardInterrupt
+        return wait(self, timeout_s)
+
+    monkeypatch.setattr(Ticket, "wait", interrupted_abort_wait)
+    with FaultPlan(tmp_path / "scratch", "write", nth=12, fault="eio"), pytest.raises(KeyboardInterrupt):
+        optimizer.step()
+    assert len(interrupts) == 1
+    assert streamed.store._pipeline.hung
+    with pytest.raises(StoreUnusableError, match="transfers still hang"):
+        optimizer.step()
+    monkeypatch.undo()
+    streamed.close()
+    _resume_from_checkpoint_matches(tmp_path, ckpt)
+
+
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_short_transfers_are_completed_not_mistaken_for_data(tmp_path, fault_report, op):
     """The OS may move fewer bytes than asked; the store asks again for the rest."""

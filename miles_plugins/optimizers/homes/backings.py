@@ -196,8 +196,10 @@ class BufferHandle:
     it and the tensors being streamed. ``on_caller_stream``: the engine runs its
     copies on the caller's thread and stream; ``dma`` (pinned host memory, CUDA
     tensors): it queues them as asynchronous copies on its own copy streams (see
-    :class:`PipelinedEngine`). ``read`` / ``write`` return once the bytes are
-    there; ``read_async`` / ``write_async`` only queue the copy on the current stream."""
+    :class:`PipelinedEngine`). ``read`` / ``write`` copy on the current stream
+    (returning once the bytes are there for host memory; device-to-device
+    copies are queued like any kernel); ``read_async`` / ``write_async`` queue
+    a non-blocking copy on the current stream."""
 
     io_queue = 0
 

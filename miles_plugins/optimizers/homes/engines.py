@@ -52,6 +52,7 @@ class Ticket:
     ) -> None:
         self._futures = list(futures)
         self._events = list(events)
+        self._count = len(self._futures) + len(self._events)
         self._name = name
         self._timeout_s = timeout_s
 
@@ -71,9 +72,10 @@ class Ticket:
             else:
                 time.sleep(_EVENT_POLL_S)
         if pending:
+            why = "a hung drive?" if self._futures else "copies queued behind device work that does not finish?"
             raise StreamIOTimeout(
                 f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
-                f"{len(self._futures) + len(self._events)} requests still pending (a hung drive?)",
+                f"{self._count} requests still pending ({why})",
                 self._name,
                 0,
                 errno.ETIMEDOUT,
@@ -261,14 +263,14 @@ class PipelinedEngine:
                     stream.wait_event(ready)
                 for offset, tensor in transfers:
                     copy(offset, tensor)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return Ticket(name=path, timeout_s=self.timeout_s, events=[done])
         except BaseException:
             # No ticket reaches the caller, who releases the tensors now: nothing queued so far
             # may still touch them (an interrupt between two copies, a CUDA error).
             stream.synchronize()
             raise
-        done = torch.cuda.Event()
-        done.record(stream)
-        return Ticket(name=path, timeout_s=self.timeout_s, events=[done])
 
     def idle_buffer(self) -> HostMemory:
         """A staging chunk the caller may use while no transfer is in flight."""

@@ -460,9 +460,11 @@ class Pipeline:
         themselves were (or will be) reported by their owner. Returns True (and
         sets :attr:`hung`) when some transfers are still running at the
         deadline: their flights' memory is then left allocated, since a late
-        transfer may still write into it."""
+        transfer may still write into it. An interrupt during a wait is raised
+        once every flight is handled, the waited-for one counted as hung."""
         deadline = time.monotonic() + wait_s
         hung = False
+        interrupt: BaseException | None = None
         for flight in flights:
             stuck = False
             for ticket in (flight.reads, flight.writes):
@@ -472,12 +474,18 @@ class Pipeline:
                     ticket.wait(max(0.0, deadline - time.monotonic()))
                 except StreamIOTimeout:
                     stuck = True
-                except BaseException:  # noqa: BLE001 - reported by the transfer's owner
+                except Exception:  # noqa: BLE001 - reported by the transfer's owner
                     pass
+                except BaseException as exc:
+                    # An interrupt (a second Ctrl-C) during the wait: the transfer may still
+                    # run, so it counts as hung, and nothing more is waited for.
+                    stuck, interrupt, deadline = True, interrupt or exc, time.monotonic()
             if stuck:
                 hung = True
                 continue
             flight.reads = flight.writes = flight.held = None
             self._release(flight)
         self.hung = self.hung or hung
+        if interrupt is not None:
+            raise interrupt
         return hung
