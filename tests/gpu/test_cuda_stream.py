@@ -63,33 +63,44 @@ def test_cuda_every_tier_and_engine(tmp_path, tier, engine, main_storage, moment
 
 
 def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tmp_path):
-    """The host home's pinned buffers: the pipelined engine queues their copies whole on
-    its copy streams (no reader or writer thread gets a request), the steps stay
-    byte-identical with a window of about two buckets (some writes deferred past the
-    step, the others waited for inside it), and a ticket whose copies wait behind
-    busy device work times out as a hung drive's would, then completes once that
-    work is done."""
+    """The host home's pinned buffers: inside a step the pipelined engine queues their
+    copies whole on its copy streams (no reader or writer thread gets a request);
+    the overlap window's copies, which run during forward and backward, go through
+    the threads; the steps stay byte-identical either way. A ticket whose copies wait
+    behind busy device work times out as a hung drive's would, then completes once
+    that work is done."""
     from miles_plugins.optimizers.errors import StreamIOTimeout
     from miles_plugins.optimizers.homes.backings import BufferHandle
     from miles_plugins.optimizers.homes.engines import PipelinedEngine
     from miles_plugins.optimizers.homes.host_memory import HostMemory
 
-    submitted = []
     submit = PipelinedEngine._submit
+    reference = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS, device="cuda")
+    for window in (0, 40_000):  # none, and about two buckets: their writes land after the step
+        submitted = []
 
-    def counting_submit(self, pools, op, handle, *args):
-        submitted.append(handle.read_path)
-        return submit(self, pools, op, handle, *args)
+        def counting_submit(self, pools, op, handle, *args, submitted=submitted):
+            submitted.append(handle.read_path)
+            return submit(self, pools, op, handle, *args)
 
-    ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS, device="cuda")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PipelinedEngine, "_submit", counting_submit)
-        params, state, streamed = streamed_run(
-            torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, device="cuda", tier="host", overlap_bytes=40_000
-        )
-    assert submitted == [], f"{len(submitted)} host-memory requests went through threads"
-    assert_same_training((ref_params, ref_state), (params, state))
-    streamed.close()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PipelinedEngine, "_submit", counting_submit)
+            params, state, streamed = streamed_run(
+                torch.optim.AdamW,
+                torch.bfloat16,
+                STEPS,
+                tmp_path / str(window),
+                device="cuda",
+                tier="host",
+                overlap_bytes=window,
+            )
+        deferred = {f"<host memory of bucket {i}>" for i in streamed.store._window.deferred()}
+        if window:
+            assert deferred and set(submitted) == deferred, (sorted(set(submitted)), sorted(deferred))
+        else:
+            assert submitted == [], f"{len(submitted)} in-step host-memory requests went through threads"
+        assert_same_training(reference, (params, state))
+        streamed.close()
 
     engine = PipelinedEngine(1, 1 << 20, True, torch.device("cuda"), timeout_s=5.0)
     memory = HostMemory(64 << 20, pin=True)

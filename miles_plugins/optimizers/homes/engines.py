@@ -103,12 +103,24 @@ class SyncEngine:
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
         self.staging = HostMemory(chunk_bytes, pin)
 
-    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+    def read(
+        self,
+        handle,
+        transfers: Sequence[Transfer],
+        ready: torch.cuda.Event | None = None,
+        beside_training: bool = False,
+    ) -> Ticket:
         for offset, dst in _chunks(transfers, self.staging.nbytes):
             handle.read(offset, dst, self.staging)
         return Ticket()
 
-    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
+    def write(
+        self,
+        handle,
+        transfers: Sequence[Transfer],
+        ready: torch.cuda.Event | None = None,
+        beside_training: bool = False,
+    ) -> Ticket:
         for offset, src in _chunks(transfers, self.staging.nbytes):
             handle.write(offset, src, self.staging)
         return Ticket()
@@ -186,13 +198,18 @@ class PipelinedEngine:
     device copy runs on that stream and is complete before the thread takes its
     next request, so a staging chunk is never reused while a copy reads it.
 
-    A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging:
-    its transfers are queued whole, as asynchronous copies on one copy stream
-    per direction, from the caller's thread; the ticket waits for an event after
-    them: no thread hand-off per 16 MiB request, and no Python thread competing
-    for the interpreter with the caller issuing the update. Measured on an H200
-    (pinned buffers of 768 MiB, reading one while writing another): 45.4-45.8
-    GB/s each way at once, against 43.0-43.7 through the threads.
+    A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging
+    inside a step: its transfers are queued whole, as asynchronous copies on one
+    copy stream per direction, from the caller's thread; the ticket waits for an
+    event after them. Measured on an H200 (pinned buffers of 768 MiB, reading
+    one while writing another): 45.4-45.8 GB/s each way at once, against
+    43.0-43.7 through the threads. ``beside_training`` (the overlap window's
+    transfers, during forward and backward) sends them through the threads
+    instead, as requests of ``chunk_bytes``, a few in flight. Queued whole, a
+    whole-state window's gigabytes of copies slowed the training around them:
+    2.09 s per iteration against 1.96 through the threads (1.10x and 1.03x
+    resident, two calls on the H200); the training's own copies, we believe,
+    waited behind ours.
 
     Ordering with the caller's stream: ``ready`` is an event the caller records
     after the last work that must come first; each request's copy waits for it
@@ -236,13 +253,25 @@ class PipelinedEngine:
                 local.stream.wait_event(ready)
             op(offset, tensor, local.staging)
 
-    def read(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
-        if handle.dma and self._copy_streams:
+    def read(
+        self,
+        handle,
+        transfers: Sequence[Transfer],
+        ready: torch.cuda.Event | None = None,
+        beside_training: bool = False,
+    ) -> Ticket:
+        if handle.dma and self._copy_streams and not beside_training:
             return self._queue_copies(self._copy_streams[0], handle.read_async, handle.read_path, transfers, ready)
         return self._submit(self._readers, handle.read, handle, handle.read_path, transfers, ready)
 
-    def write(self, handle, transfers: Sequence[Transfer], ready: torch.cuda.Event | None = None) -> Ticket:
-        if handle.dma and self._copy_streams:
+    def write(
+        self,
+        handle,
+        transfers: Sequence[Transfer],
+        ready: torch.cuda.Event | None = None,
+        beside_training: bool = False,
+    ) -> Ticket:
+        if handle.dma and self._copy_streams and not beside_training:
             return self._queue_copies(self._copy_streams[1], handle.write_async, handle.write_path, transfers, ready)
         return self._submit(self._writers, handle.write, handle, handle.write_path, transfers, ready)
 

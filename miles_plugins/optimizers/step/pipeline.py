@@ -260,7 +260,7 @@ class Pipeline:
             for flight in self.landing:
                 if flight.held is not None:
                     # ``held`` is cleared only once submitted: an interrupt before leaves it to submit again.
-                    flight.writes = self.engine.write(flight.handle, *flight.held)
+                    flight.writes = self.engine.write(flight.handle, *flight.held, beside_training=True)
                     flight.held = None
             while self.landing and wanted(self.landing[0]):
                 self._retire_oldest(self.landing)
@@ -310,7 +310,7 @@ class Pipeline:
         if count <= len(self._prefetched):
             return
         try:
-            self._read_ahead(0, count - 1, self._prefetched, deque(), self._prefetch_stats, count)
+            self._read_ahead(0, count - 1, self._prefetched, deque(), self._prefetch_stats, count, beside_training=True)
         except BaseException:
             self.drop_prefetch()
             raise
@@ -334,10 +334,11 @@ class Pipeline:
         flight.handle = self.backing.open(bucket, in_place=in_place)
         return flight
 
-    def fetch(self, index: int, stats: StepStats, moments: bool = True) -> Flight:
-        """Materialize bucket ``index``'s mains (and moments) and submit their reads.
-        A stored format other than fp32 lands in the first bytes of the tensor's
-        own storage, decoded in place by :meth:`finish_fetch`."""
+    def fetch(self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False) -> Flight:
+        """Materialize bucket ``index``'s mains (and moments) and submit their reads
+        (``beside_training``: between steps, see ``PipelinedEngine``). A stored
+        format other than fp32 lands in the first bytes of the tensor's own
+        storage, decoded in place by :meth:`finish_fetch`."""
         if self._landing(index):
             self.land(through=index)  # a bucket is read only after its last write has landed
         flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
@@ -353,7 +354,7 @@ class Pipeline:
                     stats.bytes_read += segment.entry_nbytes[k]
             # The engine's copies wait for everything queued on this stream so far:
             # fresh blocks from the caching allocator may still be in use there.
-            flight.reads = self.engine.read(flight.handle, transfers, self._ready_event())
+            flight.reads = self.engine.read(flight.handle, transfers, self._ready_event(), beside_training)
         except BaseException:
             self.abort([flight], self.io_timeout_s)
             raise
@@ -422,6 +423,7 @@ class Pipeline:
         stats: StepStats,
         room: int | None = None,
         wait: bool = True,
+        beside_training: bool = False,
     ) -> None:
         """Start fetching buckets ``first`` to ``last``, after those in ``ahead``,
         while the buckets in flight allow it (``_make_room``, waiting for writes to
@@ -430,7 +432,7 @@ class Pipeline:
         for index in range(started, min(last, len(self.buckets) - 1) + 1):
             if not self._make_room(ahead, writing, room, wait):
                 return
-            ahead.append(self.fetch(index, stats))
+            ahead.append(self.fetch(index, stats, beside_training=beside_training))
 
     def _retire_oldest(self, writing: deque[Flight]) -> None:
         """Wait for the oldest bucket's writes, then release its device memory. It
