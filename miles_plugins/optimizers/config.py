@@ -160,8 +160,8 @@ class StreamConfig:
         buckets_in_flight: pipelined engine: the most buckets materialized on
             the device at once (GPU memory traded for overlap); the optimizer
             state on the device stays below this many times the largest bucket.
-        io_threads: pipelined engine: requests in flight per direction (files;
-            pinned host memory's copies are queued on copy streams instead).
+        io_threads: pipelined engine: requests in flight per direction (a step's
+            copies of pinned host memory are queued on copy streams instead).
         direct_io: pipelined engine on disk: open bucket files with
             ``O_DIRECT`` (falls back to buffered I/O, with a log line, where the
             filesystem refuses it).
