@@ -160,8 +160,9 @@ class StreamConfig:
         buckets_in_flight: pipelined engine: the most buckets materialized on
             the device at once (GPU memory traded for overlap); the optimizer
             state on the device stays below this many times the largest bucket.
-        io_threads: pipelined engine: requests in flight per direction (a step's
-            copies of pinned host memory are queued on copy streams instead).
+        io_threads: pipelined engine: requests in flight per direction (files,
+            and pinned host memory's copies during forward and backward; a
+            step's own copies of pinned host memory are queued on copy streams).
         direct_io: pipelined engine on disk: open bucket files with
             ``O_DIRECT`` (falls back to buffered I/O, with a log line, where the
             filesystem refuses it).

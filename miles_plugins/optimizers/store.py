@@ -59,6 +59,9 @@ from miles_plugins.optimizers.step.rollback import StepRollback, first_written_i
 
 logger = logging.getLogger(__name__)
 
+# Backings of stores closed while transfers hung: a late copy may still write into them.
+_ABANDONED: list = []
+
 # What a step may allocate on the device beyond the buckets in flight, stated so
 # the GPU tier can assert it (measured on an H200, megatron-core 0.19.2):
 # - torch's Adam keeps one fp32 temporary per element of the bucket it updates
@@ -484,9 +487,11 @@ class StreamingStore:
         hung = self._pipeline is not None and self._pipeline.hung
         if self._engine is not None:
             self._engine.close(wait=not hung)
-        if self._backing is not None and not hung:
-            # After a hang a late copy may still reach the host home's pinned buffers: they are
-            # abandoned (unpinned and unmapped only at exit), as the engine's staging is.
+        if self._backing is not None and hung:
+            # A late copy may still reach the host home's pinned buffers: they stay pinned and
+            # mapped for the rest of the process (held here, past this store), as the staging is.
+            _ABANDONED.append(self._backing)
+        elif self._backing is not None:
             self._backing.release()
         self._backing = None
         if self.placed is not None:

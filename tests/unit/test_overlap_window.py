@@ -359,6 +359,54 @@ def test_a_step_failing_after_its_walk_drops_its_deferred_writes_and_rolls_back(
     assert_same_training(plain, windowed)
 
 
+def test_only_the_windows_transfers_are_marked_beside_training(tmp_path, monkeypatch):
+    """The engine is told which transfers run during forward and backward
+    (``beside_training``: on pinned host memory those go through the I/O threads, a
+    step's own are queued whole on copy streams; the routing itself needs CUDA, the
+    GPU tier checks it): the window's deferred writes as they land and its reads
+    ahead, never a step's own transfers, a plain ``prefetch()`` just before a step,
+    or a read outside a step."""
+    from miles_plugins.optimizers.homes.engines import PipelinedEngine
+
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", tier="host", bucket_cap_elements=800)
+    _train(model, optimizer, scheduler, streamed, range(2))
+    streamed.close()
+    model, optimizer, scheduler, streamed = fresh(
+        tmp_path / "window", "rank0", tier="host", bucket_cap_elements=800, overlap_bytes=_window(streamed, 2)
+    )
+    store = streamed.store
+    seen: list[tuple[str, str, bool]] = []  # (phase, "read" / "write", beside_training)
+    phase = {"now": "outside"}
+    for kind in ("read", "write"):
+        real = getattr(PipelinedEngine, kind)
+
+        def recording(self, handle, transfers, ready=None, beside_training=False, kind=kind, real=real):
+            seen.append((phase["now"], kind, beside_training))
+            return real(self, handle, transfers, ready, beside_training)
+
+        monkeypatch.setattr(PipelinedEngine, kind, recording)
+    for step in range(3):
+        phase["now"] = "progress"
+        streamed.progress()
+        loss_fn(model, step).backward()
+        _progress_until(streamed, lambda: not store._pipeline.landing)  # every deferred write landed
+        phase["now"] = "prefetch"
+        store.prefetch()  # as the Megatron binding does once the grads are final
+        phase["now"] = "step"
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+    phase["now"] = "outside"
+    list(streamed.iter_state())
+    marked = {(p, kind) for p, kind, beside in seen if beside}
+    plain = {(p, kind) for p, kind, beside in seen if not beside}
+    assert ("progress", "write") in marked and ("progress", "read") in marked  # the window's
+    assert marked <= {("progress", "write"), ("progress", "read"), ("step", "write"), ("outside", "write")}
+    assert {("step", "read"), ("step", "write"), ("prefetch", "read"), ("outside", "read")} <= plain
+    assert not {(p, kind) for p, kind in plain if p == "progress"}, "a window transfer not marked"
+    streamed.close()
+
+
 @pytest.mark.parametrize(
     "config, message",
     [

@@ -195,8 +195,8 @@ class BufferHandle:
     """One bucket's buffer in memory (host or device); chunks copy straight between
     it and the tensors being streamed. ``on_caller_stream``: the engine runs its
     copies on the caller's thread and stream; ``dma`` (pinned host memory, CUDA
-    tensors): it queues them as asynchronous copies on its own copy streams (see
-    :class:`PipelinedEngine`). ``read`` / ``write`` copy on the current stream
+    tensors): inside a step it queues them as asynchronous copies on its own copy
+    streams (see :class:`PipelinedEngine`). ``read`` / ``write`` copy on the current stream
     (returning once the bytes are there for host memory; device-to-device
     copies are queued like any kernel); ``read_async`` / ``write_async`` queue
     a non-blocking copy on the current stream."""

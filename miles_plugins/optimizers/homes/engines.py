@@ -4,9 +4,9 @@
 buffer (the baseline); :class:`PipelinedEngine` runs them on reader and writer
 threads, several requests in flight per direction, each thread with its own
 staging chunk and CUDA stream, so reads of one bucket and writes of another
-overlap each other and the caller's compute (pinned host memory needs no thread:
-its copies are queued whole on a copy stream per direction). A submission
-returns a :class:`Ticket` to wait on.
+overlap each other and the caller's compute (a step's copies of pinned host
+memory need no thread: they are queued whole on a copy stream per direction). A
+submission returns a :class:`Ticket` to wait on.
 
 Host memory for streaming is the staging chunks, whatever the state size (the
 host home adds the state itself, which is its point).
@@ -72,10 +72,9 @@ class Ticket:
             else:
                 time.sleep(_EVENT_POLL_S)
         if pending:
-            why = "a hung drive?" if self._futures else "copies queued behind device work that does not finish?"
             raise StreamIOTimeout(
                 f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
-                f"{self._count} requests still pending ({why})",
+                f"{self._count} requests still pending (a hung drive, or device work that does not finish?)",
                 self._name,
                 0,
                 errno.ETIMEDOUT,
@@ -282,7 +281,18 @@ class PipelinedEngine:
                 op(offset, tensor, None)
             return Ticket()
         pool = pools[handle.io_queue]
-        return Ticket([pool.submit(self._run, op, o, t, ready) for o, t in chunks], path, self.timeout_s)
+        futures: list[concurrent.futures.Future] = []
+        try:
+            for offset, tensor in chunks:
+                futures.append(pool.submit(self._run, op, offset, tensor, ready))
+            return Ticket(futures, path, self.timeout_s)
+        except BaseException:
+            # No ticket reaches the caller, who releases the tensors now: requests not yet
+            # started are cancelled, started ones waited for (as _queue_copies does).
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures, timeout=self.timeout_s)
+            raise
 
     def _queue_copies(self, stream, copy, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
         """Queue ``copy(offset, tensor)`` of every transfer on ``stream`` after ``ready``."""

@@ -310,7 +310,10 @@ class Pipeline:
         if count <= len(self._prefetched):
             return
         try:
-            self._read_ahead(0, count - 1, self._prefetched, deque(), self._prefetch_stats, count, beside_training=True)
+            # The window's reads run during forward and backward; a plain prefetch just before the step.
+            self._read_ahead(
+                0, count - 1, self._prefetched, deque(), self._prefetch_stats, count, beside_training=window_only
+            )
         except BaseException:
             self.drop_prefetch()
             raise
@@ -319,7 +322,7 @@ class Pipeline:
         """Forget prefetched buckets (their bytes are about to change, or are not needed)."""
         flights, self._prefetched = self._prefetched, deque()
         self._prefetch_stats = StepStats()
-        self.abort(flights, self.io_timeout_s)
+        self.abort(flights, 0.0 if self.hung else self.io_timeout_s)
 
     def _take_prefetched(self, stats: StepStats) -> deque[Flight]:
         stats.add(self._prefetch_stats)
