@@ -512,7 +512,8 @@ class StreamingStore:
         if self._closed:
             raise StoreUnusableError(f"the optimizer-state store at {self.location} was closed; its state is gone")
         if self._pipeline.hung and not self._damaged:
-            self._damaged = "transfers hang (a stalled drive?); their memory cannot be reused"
+            cause = self._pipeline.hang_cause or "transfers hang (a stalled drive?)"
+            self._damaged = f"{cause}; their memory cannot be reused"
         if self._damaged:
             raise StoreUnusableError(
                 f"the optimizer-state store at {self.location} holds no consistent state: {self._damaged}. "

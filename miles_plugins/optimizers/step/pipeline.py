@@ -163,8 +163,10 @@ class Pipeline:
         self.depth, self.device, self.io_timeout_s = depth, device, io_timeout_s
         self.accounting = StateAccounting()
         # Set once transfers hung: their memory may still be written and is abandoned,
-        # so the store must not run again (it checks this flag).
+        # so the store must not run again (it checks this flag). ``hang_cause``: set
+        # where it was not a timeout.
         self.hung = False
+        self.hang_cause: str | None = None
         # Buckets whose reads prefetch() started, and what those reads moved.
         self._prefetched: deque[Flight] = deque()
         self._prefetch_stats = StepStats()
@@ -490,6 +492,8 @@ class Pipeline:
                 continue
             flight.reads = flight.writes = flight.held = None
             self._release(flight)
+        if interrupt is not None and not self.hung:
+            self.hang_cause = f"an interrupt ({type(interrupt).__name__}) cut short the wait for transfers in flight"
         self.hung = self.hung or hung
         if interrupt is not None:
             raise interrupt

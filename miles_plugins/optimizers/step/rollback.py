@@ -88,8 +88,10 @@ class StepRollback:
         """After the step failed with ``exc``: restore the pre-step state and return None,
         or return why the store holds no consistent state (it must refuse to step)."""
         failed = f"step {self._step_number} failed ({str(exc) or type(exc).__name__})"
+        if not isinstance(exc, Exception) and isinstance(exc.__context__, Exception):
+            failed += f" while handling: {exc.__context__}"  # an interrupt during a failure's clean-up
         if self._pipeline.hung:
-            return f"{failed}; transfers still hang, their memory cannot be reused"
+            return f"{failed}; {self._pipeline.hang_cause or 'transfers still hang'}, their memory cannot be reused"
         if self._resident_started:
             return f"{failed} while updating the fp32-native params, which are updated in place"
         if not self._updated:
