@@ -97,7 +97,7 @@ def _chunks(transfers: Sequence[Transfer], chunk: int):
 class SyncEngine:
     """The baseline: each transfer runs now, on the caller's thread and stream
     (so it is ordered after the caller's work without an event), chunk by chunk
-    through one staging buffer."""
+    through one staging buffer (``beside_training`` changes nothing here)."""
 
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
         self.staging = HostMemory(chunk_bytes, pin)
