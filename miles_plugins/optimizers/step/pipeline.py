@@ -239,9 +239,9 @@ class Pipeline:
                 self._retire_oldest(writing)
         except BaseException as exc:
             # After a timeout (a deferred write's too) nothing more is waited for: the deadline has
-            # passed. So after a hang land() found: the same drive holds these transfers.
+            # passed (after a hang land() found, abort() waits for nothing either).
             timed_out = isinstance(exc, StreamIOTimeout) or isinstance(exc.__cause__, StreamIOTimeout)
-            wait_s = 0.0 if timed_out or self.hung else self.io_timeout_s
+            wait_s = 0.0 if timed_out else self.io_timeout_s
             self.abort([*ahead, *writing, *deferred, *([current] if current else [])], wait_s)
             raise
         # Every bucket was read, so the earlier deferred writes have all landed: the
@@ -282,7 +282,7 @@ class Pipeline:
         landing, self.landing = list(self.landing), deque()
         for flight in landing:
             flight.held = None
-        self.abort(landing, 0.0 if self.hung else self.io_timeout_s)
+        self.abort(landing, self.io_timeout_s)
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
@@ -324,7 +324,7 @@ class Pipeline:
         """Forget prefetched buckets (their bytes are about to change, or are not needed)."""
         flights, self._prefetched = self._prefetched, deque()
         self._prefetch_stats = StepStats()
-        self.abort(flights, 0.0 if self.hung else self.io_timeout_s)
+        self.abort(flights, self.io_timeout_s)
 
     def _take_prefetched(self, stats: StepStats) -> deque[Flight]:
         stats.add(self._prefetch_stats)
@@ -463,13 +463,14 @@ class Pipeline:
     def abort(self, flights: Sequence[Flight], wait_s: float) -> bool:
         """Stop using ``flights`` after a failure or when their state is not needed:
         wait until no transfer touches their memory, then release it. All the
-        waits share one deadline, ``wait_s`` from now. Errors of the transfers
+        waits share one deadline, ``wait_s`` from now (now, once :attr:`hung`:
+        the stalled drive holds these transfers too, and the store refuses anyway). Errors of the transfers
         themselves were (or will be) reported by their owner. Returns True (and
         sets :attr:`hung`) when some transfers are still running at the
         deadline: their flights' memory is then left allocated, since a late
         transfer may still write into it. An interrupt during a wait is raised
         once every flight is handled, the waited-for one counted as hung."""
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (0.0 if self.hung else wait_s)
         hung = False
         interrupt: BaseException | None = None
         for flight in flights:
