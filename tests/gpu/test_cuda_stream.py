@@ -64,14 +64,15 @@ def test_cuda_every_tier_and_engine(tmp_path, tier, engine, main_storage, moment
 
 def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tmp_path):
     """The host home's pinned buffers: inside a step the pipelined engine queues their
-    copies whole on its copy streams (no reader or writer thread gets a request);
-    the overlap window's copies, which run during forward and backward, go through
-    the threads; the steps stay byte-identical either way. A ticket whose copies wait
+    copies whole on its copy streams (no thread gets a request); the overlap
+    window's copies, which run during forward and backward, go through the one
+    window thread of their direction, in requests of ``WINDOW_REQUEST_BYTES``;
+    the steps stay byte-identical either way. A ticket whose copies wait
     behind busy device work times out as a hung drive's would, then completes once
     that work is done."""
     from miles_plugins.optimizers.errors import StreamIOTimeout
     from miles_plugins.optimizers.homes.backings import BufferHandle
-    from miles_plugins.optimizers.homes.engines import PipelinedEngine
+    from miles_plugins.optimizers.homes.engines import WINDOW_REQUEST_BYTES, PipelinedEngine
     from miles_plugins.optimizers.homes.host_memory import HostMemory
 
     submit = PipelinedEngine._submit
@@ -79,9 +80,10 @@ def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tm
     for window in (0, 40_000):  # none, and about two buckets: their writes land after the step
         submitted = []
 
-        def counting_submit(self, pools, op, handle, *args, submitted=submitted):
+        def counting_submit(self, pool, op, handle, *args, submitted=submitted):
+            assert pool in self._window_threads and args[-1] == WINDOW_REQUEST_BYTES, handle.read_path
             submitted.append(handle.read_path)
-            return submit(self, pools, op, handle, *args)
+            return submit(self, pool, op, handle, *args)
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(PipelinedEngine, "_submit", counting_submit)
