@@ -7,15 +7,17 @@ For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024
 to remainder low bits and back (beside its bf16 param), both moments to 8-bit codes
 and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
 the store's buckets (64M elements, a param never split) and converted bucket by
-bucket, as the step's codec does (``Codec.encode`` / ``decode``: the small entries
-packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
+bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
+small entries packed, ``fused.plan_packed``; the large ones' three tensors
+together, ``together.py``): every entry of a bucket queued, then one device
 synchronization per bucket and direction (the remainder encoder waits once per
 entry or packed group besides). Wall time, once with the reference torch formulations
 (``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
 (``fused.py``), in one process; the stored bytes of the largest entry are compared
 (the GPU tier and the kernels' self-test compare every byte, edge cases included).
 The buckets reuse one set of buffers: one sample per formulation, after a warm-up.
-Results before 2026-12-02 synchronized after every entry instead.
+Results before 2026-12-02 synchronized after every entry instead; those of
+2026-12-02 converted each tensor of an entry alone.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment
@@ -33,8 +35,9 @@ import time
 import torch
 
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
-from miles_plugins.optimizers.formats import fused, quant8, remainder
-from miles_plugins.optimizers.formats.layout import plan_buckets
+from miles_plugins.optimizers.formats import fused
+from miles_plugins.optimizers.formats.layout import layout_store, plan_buckets
+from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 
 BYTES_PER_PARAM = 36
 
@@ -60,40 +63,37 @@ def copy_bandwidth(numel: int) -> float:
 
 
 def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor) -> dict:
-    """Encode then decode every entry's main and moments, bucket by bucket as the store's
-    walk does (its buckets' entries, one host wait per bucket and direction); seconds per
-    direction."""
+    """Encode then decode every entry's main and moments through the store's codec
+    (``Codec.encode`` / ``decode``), bucket by bucket as the store's walk does (its
+    buckets' entries, one host wait per bucket and direction); seconds per direction."""
     timings = {"encode": 0.0, "decode": 0.0}
     stored = []
-    for bucket in plan_buckets(entries, [0] * len(entries), DEFAULT_BUCKET_CAP_ELEMENTS):
+    buckets = layout_store(
+        [(i, n, 0, False) for i, n in enumerate(entries)], DEFAULT_BUCKET_CAP_ELEMENTS, torch.uint8, torch.int16, True
+    )
+    codec = Codec(buckets)
+    for bucket in buckets:
         offsets = [0]
-        for i in bucket:
-            offsets.append(offsets[-1] + entries[i])
-        views = [
-            [buffers[k][s:e] for k in ("main", "exp_avg", "exp_avg_sq")] + [param[s:e]]
-            for s, e in zip(offsets, offsets[1:], strict=False)
+        for n in bucket.numels:
+            offsets.append(offsets[-1] + n)
+        items = [
+            (bucket.segments[name], k, buffers[name][s:e], param[s:e])
+            for k, (s, e) in enumerate(zip(offsets, offsets[1:], strict=False))
+            for name in ("main", "exp_avg", "exp_avg_sq")
         ]
-        for main, _, _, p in views:
-            p.copy_(main)  # the bf16 param is the main rounded, as after a step
+        for segment, _, main, p in items:
+            if segment.name == "main":
+                p.copy_(main)  # the bf16 param is the main rounded, as after a step
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        mains, ms, vs, ps = (list(column) for column in zip(*views, strict=True))
-        exceptions = remainder.encode_many(mains, ps)
-        quant8.narrow_many(ms, *quant8.MOMENT_FORMATS["exp_avg"])
-        quant8.narrow_many(vs, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        codec.encode(bucket, items)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        for main, m, v, _ in views:
-            if main.numel() == max(entries) and not stored:
-                n = main.numel()
-                stored = [
-                    t.view(-1).view(torch.uint8)[:nbytes].clone()
-                    for t, nbytes in ((main, 2 * n), (m, quant8.stored_nbytes(n)), (v, quant8.stored_nbytes(n)))
-                ]
+        for segment, _, t, _ in items:
+            if t.numel() == max(entries) and len(stored) < 3:
+                stored.append(stored_bytes(t, segment).clone())
         t1_decode = time.perf_counter()  # the copy above is not the codec's
-        remainder.decode_many(mains, ps, exceptions)
-        quant8.widen_many(ms, *quant8.MOMENT_FORMATS["exp_avg"])
-        quant8.widen_many(vs, *quant8.MOMENT_FORMATS["exp_avg_sq"])
+        codec.decode(bucket, items)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         timings["encode"] += t1 - t0
