@@ -8,16 +8,16 @@ to remainder low bits and back (beside its bf16 param), both moments to 8-bit co
 and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
 the store's buckets (64M elements, a param never split) and converted bucket by
 bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
-small entries packed, ``fused.plan_packed``; the large ones' three tensors
-together, ``together.py``): every entry of a bucket queued, then one device
+small entries packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
 synchronization per bucket and direction (the remainder encoder waits once per
 entry or packed group besides). Wall time, once with the reference torch formulations
 (``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
 (``fused.py``), in one process; the stored bytes of the largest entry are compared
 (the GPU tier and the kernels' self-test compare every byte, edge cases included).
 The buckets reuse one set of buffers: one sample per formulation, after a warm-up.
-Results before 2026-12-02 synchronized after every entry instead; those of
-2026-12-02 converted each tensor of an entry alone.
+Results before 2026-12-02 synchronized after every entry instead; before the
+third call of that day they called ``remainder.encode_many`` and
+``quant8.narrow_many`` directly, as ``Codec`` does.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment

@@ -69,10 +69,8 @@ _ABANDONED: list = []
 ADAM_TEMPORARY_BYTES_PER_ELEMENT = 4
 # - storage-format conversions work in chunks of CHUNK_ELEMENTS; the remainder
 #   codec's chunk temporaries are the largest, about 12 bytes per element (the
-#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales,
-#   both moments' at once where an entry's three tensors convert together, which
-#   hold about 25 MiB of scratch at most (two entries in flight), half of this; the
-#   fused kernels' packed groups of small entries 8). Not counted: a chunk or
+#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales;
+#   the fused kernels' packed groups of small entries 8). Not counted: a chunk or
 #   packed group whose remainder exceptions overflow the device's slots (NaN mains)
 #   keeps its fp32 values while the reference path finds them, up to about twice this.
 CONVERSION_SCRATCH_BYTES = 12 * CHUNK_ELEMENTS
@@ -249,8 +247,7 @@ class StreamingStore:
         (:attr:`overlap_bytes_bound`: the step ends holding them)."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
-        # Both moments' scales at once (formats/together.py).
-        scales = 2 * quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
+        scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
         in_flight = self.config.depth * self.bucket_bytes_max
         return in_flight + self.overlap_bytes_bound + per_element * largest + CONVERSION_SCRATCH_BYTES + scales
 

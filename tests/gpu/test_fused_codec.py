@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from miles_plugins.optimizers.formats import fused, quant8, remainder, together
+from miles_plugins.optimizers.formats import fused, quant8, remainder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,41 +143,3 @@ def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes(
     remainder.decode_many(gpus, [p.cuda() for p in params], gpu_found)
     for main, gpu in zip(mains, gpus, strict=True):
         assert torch.equal(main.view(torch.int32), gpu.cpu().view(torch.int32))
-
-
-@pytest.mark.parametrize("slots", [1 << 16, 64])
-def test_an_entrys_main_and_moments_converted_together_are_the_cpu_reference(monkeypatch, slots):
-    """``together.py``: a remainder main and both 8-bit moments in one launch per chunk
-    (chunks [0, S), [S, 2S), [2S, 4S), [4S, 5S + 77)); the stored forms are the CPU
-    reference's, each converted alone, and decode restores them from those bytes
-    alone. 64 slots: the main's exceptions overflow them, and it is finished alone."""
-    monkeypatch.setattr(fused, "_EXCEPTION_SLOTS", slots)
-    main, param = _mains(NUMEL)
-    moments = _moments(NUMEL)
-    cpus = [main.clone(), moments["exp_avg"].clone(), moments["exp_avg_sq"].clone()]
-    gpus = [t.cuda() for t in cpus]
-    assert together.applies(gpus[0])
-    cpu_found = remainder.encode_in_place(cpus[0], param)
-    for name, t in zip(quant8.MOMENT_FORMATS, cpus[1:], strict=True):
-        quant8.narrow_in_place(t, *quant8.MOMENT_FORMATS[name])
-    (gpu_found,) = together.encode_many([(*gpus, param.cuda())])
-    assert len(cpu_found) > 1000 and torch.equal(cpu_found.index, gpu_found.index)
-    assert torch.equal(cpu_found.high, gpu_found.high)
-    assert torch.equal(cpus[0].view(torch.int16)[:NUMEL], gpus[0].view(torch.int16)[:NUMEL].cpu())
-    stored = quant8.stored_nbytes(NUMEL)
-    for cpu, gpu in zip(cpus[1:], gpus[1:], strict=True):
-        a, b = cpu.view(torch.uint8)[:stored], gpu.view(torch.uint8)[:stored].cpu()
-        assert torch.equal(a[:NUMEL], b[:NUMEL])
-        sa, sb = a[NUMEL:].clone().view(torch.float32), b[NUMEL:].clone().view(torch.float32)
-        nan = torch.isnan(sa)
-        assert torch.equal(nan, torch.isnan(sb)) and torch.equal(sa[~nan], sb[~nan])
-        gpu.view(torch.uint8)[:stored].copy_(a)  # the same stored form on both sides
-    for gpu, nbytes in zip(gpus, (2 * NUMEL, stored, stored), strict=True):
-        gpu.view(torch.uint8)[nbytes:] = 0x55  # what a read leaves beyond the stored form
-    together.decode(*gpus, param.cuda(), gpu_found)
-    assert torch.equal(gpus[0].cpu().view(torch.int32), main.view(torch.int32))
-    for name, cpu, gpu in zip(quant8.MOMENT_FORMATS, cpus[1:], gpus[1:], strict=True):
-        quant8.widen_in_place(cpu, *quant8.MOMENT_FORMATS[name])
-        gpu = gpu.cpu()
-        nan = torch.isnan(cpu)
-        assert torch.equal(nan, torch.isnan(gpu)) and torch.equal(cpu[~nan], gpu[~nan])

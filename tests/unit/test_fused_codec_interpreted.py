@@ -18,9 +18,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import formats
-from miles_plugins.optimizers.formats import convert, fused, quant8, remainder, together
-from miles_plugins.optimizers.formats.layout import layout_bucket
-from miles_plugins.optimizers.step.codec import Codec
+from miles_plugins.optimizers.formats import convert, fused, quant8, remainder
 
 NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
@@ -214,104 +212,6 @@ def _check_buckets_entries_together() -> None:
         fused.applies = applies
 
 
-def _entry(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A main with rounding ties every fifth element and a run of NaNs in its middle, its
-    bf16 param, and moments with zero, tie, infinite and NaN blocks."""
-    main = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-    main.view(torch.int32)[::5] = (main.view(torch.int32)[::5] & ~0xFFFF) | 0x18000
-    main[numel // 2 : numel // 2 + 40] = float("nan")
-    return main, main.bfloat16(), _moment(numel, 1), _moment(numel, 2) ** 2
-
-
-def _check_together(numel: int, slots: int = 1 << 16, fallbacks: int = 0) -> None:
-    """An entry's main and moments converted together (``together.py``: one launch per
-    chunk for all three): each stored form is the reference's, converted alone, and
-    decode restores every bit from the stored forms alone. ``slots``: fewer than the
-    exceptions of a run, whose main is then finished alone from the chunk that
-    overflowed them (``fallbacks``: how many chunks the reference must find)."""
-    fused._EXCEPTION_SLOTS = slots
-    found_by_reference, original = [], remainder._exceptions
-
-    def reference(*args):
-        found_by_reference.append(args[2:])
-        return original(*args)
-
-    main, param, m, v = _entry(numel)
-    expected = [t.clone() for t in (main, m, v)]
-    exceptions = remainder.encode_in_place(expected[0], param)
-    quant8.narrow_in_place(expected[1], *quant8.MOMENT_FORMATS["exp_avg"])
-    quant8.narrow_in_place(expected[2], *quant8.MOMENT_FORMATS["exp_avg_sq"])
-    got = [t.clone() for t in (main, m, v)]
-    applies = fused.applies
-    fused.applies = lambda t: True  # the CPU under the interpreter: never on its own
-    remainder._exceptions = reference
-    try:
-        assert together.applies(got[0])
-        (found,) = together.encode_many([(*got, param)])
-        assert len(found_by_reference) == fallbacks, found_by_reference
-        assert torch.equal(found.index, exceptions.index) and torch.equal(found.high, exceptions.high)
-        assert torch.equal(remainder.stored_view(expected[0], torch.int16), remainder.stored_view(got[0], torch.int16))
-        stored = quant8.stored_nbytes(numel)
-        for e, g in zip(expected[1:], got[1:], strict=True):
-            assert torch.equal(e.view(torch.uint8)[:numel], g.view(torch.uint8)[:numel]), numel
-            e_scales, g_scales = (t.view(torch.uint8)[numel:stored].clone().view(torch.float32) for t in (e, g))
-            nan = torch.isnan(e_scales)
-            assert torch.equal(nan, torch.isnan(g_scales))
-            assert torch.equal(e_scales[~nan].view(torch.int32), g_scales[~nan].view(torch.int32)), numel
-        for t, nbytes in zip(got, (2 * numel, stored, stored), strict=True):
-            t.view(torch.uint8)[nbytes:] = 0x55  # what a read leaves beyond the stored form
-        together.decode(*got, param, found)
-        assert torch.equal(got[0].view(torch.int32), main.view(torch.int32))
-        quant8.widen_in_place(expected[1], *quant8.MOMENT_FORMATS["exp_avg"])
-        quant8.widen_in_place(expected[2], *quant8.MOMENT_FORMATS["exp_avg_sq"])
-        for e, g in zip(expected[1:], got[1:], strict=True):
-            assert torch.equal(e.view(torch.int32), g.view(torch.int32)), numel
-    finally:
-        fused.applies, remainder._exceptions = applies, original
-        fused._EXCEPTION_SLOTS = 1 << 16
-
-
-def _check_codec_together(slots: int = 1 << 16) -> None:
-    """The codec as the store calls it for a bucket of a remainder main and 8-bit moments:
-    its large entries go together (the second started before the first's exceptions are
-    read), the rest alone or packed; every stored byte, and the decoded state, are those
-    of the reference codec (the kernels switched off). 600 ``slots``: the first of them
-    overflows them in its third chunk, found by the reference while the second is queued."""
-    fused._EXCEPTION_SLOTS = slots
-    fallbacks, original = [], remainder._exceptions
-    sizes = [300, 5000, 512, 2000, 256]  # together: 5000 and 2000 (PACKED_MAX_ELEMENTS is 512)
-    bucket = layout_bucket(0, range(len(sizes)), sizes, torch.uint8, torch.int16, blockwise_moments=True)
-    state = {k: _entry(n) for k, n in enumerate(sizes)}
-    runs = {}
-    for name, on in (("reference", False), ("fused", True)):
-        tensors = {k: [t.clone() for t in (main, m, v)] for k, (main, _, m, v) in state.items()}
-        items = [
-            (bucket.segments[segment], k, tensors[k][j], state[k][1])
-            for k in tensors
-            for j, segment in enumerate(("main", "exp_avg", "exp_avg_sq"))
-        ]
-        codec, applies = Codec([bucket]), fused.applies
-        fused.applies = (lambda t: True) if on else (lambda t: False)
-        remainder._exceptions = lambda *args: fallbacks.append(args[2:]) or original(*args)
-        try:
-            assert len(codec._together(items)[0]) == (2 if on else 0)
-            codec.encode(bucket, items)
-            stored = [
-                bytes(t.view(-1).view(torch.uint8)[: segment.stored_nbytes(t.numel())]) for segment, _, t, _ in items
-            ]
-            for segment, _, t, _ in items:
-                t.view(-1).view(torch.uint8)[segment.stored_nbytes(t.numel()) :] = 0x55
-            codec.decode(bucket, items)
-        finally:
-            fused.applies, remainder._exceptions = applies, original
-        runs[name] = (stored, [t.view(torch.int32).clone() for _, _, t, _ in items], codec.export())
-    fused._EXCEPTION_SLOTS = 1 << 16
-    assert fallbacks == ([(2048, 4096)] if slots == 600 else []), fallbacks
-    assert runs["fused"][0] == runs["reference"][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs["fused"][1], runs["reference"][1], strict=True))
-    assert runs["fused"][2] == runs["reference"][2]
-
-
 def test_kernels_that_do_not_build_leave_the_reference_with_a_warning(monkeypatch, caplog):
     """A Triton that cannot compile here (no compiler, a read-only cache directory) shows
     when the kernels are first wanted, before any state is converted. The kernels module
@@ -358,14 +258,6 @@ if __name__ == "__main__":
     _check_exception_overflow()
     _check_packed()
     _check_buckets_entries_together()
-    for numel in (1000, SCRATCH + 256, 5000, 70001):
-        _check_together(numel)
-    # Chunks [0, 1024), [1024, 2048), [2048, 4096), [4096, 5000), about 200, 200, 400 and
-    # 180 ties: 600 slots overflow in the third chunk, 4 in every one.
-    _check_together(5000, slots=600, fallbacks=1)
-    _check_together(5000, slots=4, fallbacks=4)
-    _check_codec_together()
-    _check_codec_together(slots=600)
     # Runs of two chunks: an entry of 8 chunks takes four runs, overflowing or not.
     fused._MAX_RUN_CHUNKS = 2
     _check_remainder(70001)

@@ -29,15 +29,12 @@ which overlaps itself, goes through a scratch of ``SCRATCH_ELEMENTS`` codes.
 
 Small entries (biases, norms) cost host time per operation, not device time per
 byte: a bucket's are converted packed (``plan_packed``), out of place in one buffer
-per group, with a handful of operations per group. For the same reason an entry
-with a remainder main and 8-bit moments converts its three tensors by one launch
-per chunk (``entry_encode`` / ``entry_decode``, called by ``together.py``).
+per group, with a handful of operations per group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -54,13 +51,11 @@ logger = logging.getLogger(__name__)
 # scratch of this many codes: at most 4 bytes each (16 MiB), within the conversion
 # scratch the store states (``store.CONVERSION_SCRATCH_BYTES``).
 SCRATCH_ELEMENTS = CHUNK_ELEMENTS
-# Blocks of 256 elements per Triton program (quant8), elements per program (remainder:
-# the same elements, for the kernels that convert an entry's three tensors at once),
+# Blocks of 256 elements per Triton program (quant8), elements per program (remainder),
 # warps per program (all kernels).
 _ROWS = 16
 _SPAN = 4096
 _WARPS = 4
-assert _SPAN == _ROWS * 256, "a program's remainder span is its 8-bit blocks' elements"
 # Remainder exceptions collected on the device per run of chunks; past it (a chunk full
 # of NaN mains, say) that chunk's exceptions are found by the reference path instead.
 _EXCEPTION_SLOTS = 1 << 16
@@ -164,43 +159,6 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
         _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
         remainder_decode(t.view(-1), p.view(-1), low, index, high, module)
         _same("remainder mains", main.view(torch.int32), t.cpu().view(torch.int32))  # every bit, NaN's too
-    # An entry's three tensors together: the crafted moments beside a main of ties.
-    main = torch.linspace(-4, 4, x.numel(), device=cpu)
-    main.view(torch.int32)[::7] = (main.view(torch.int32)[::7] & ~0xFFFF) | 0x18000
-    main[3], main[4] = float("nan"), 1e-40
-    param = main.bfloat16()
-    expected = [main.clone(), x.clone(), x.abs()]
-    exceptions = remainder.encode_in_place(expected[0], param)
-    for name, t in zip(quant8.MOMENT_FORMATS, expected[1:], strict=True):
-        quant8.narrow_in_place(t, *quant8.MOMENT_FORMATS[name])
-    flats = [t.to(device, copy=True) for t in (main, x, x.abs())]
-    stored = (
-        remainder.stored_view(flats[0], remainder.STORAGE_DTYPE),
-        quant8._codes_and_scales(flats[1]),
-        quant8._codes_and_scales(flats[2]),
-    )
-    guides = (quant8._search_guide(True, device), quant8._search_guide(False, device))
-    p = param.to(device)
-    index, high = entry_encode(flats, p, stored, guides, block, remainder._exceptions, module)
-    _same(
-        "together: exceptions", torch.cat([exceptions.index, exceptions.high.long()]), torch.cat([index, high.long()])
-    )
-    n = x.numel()
-    _same("together: low bits", expected[0].view(torch.int16)[:n], flats[0].view(torch.int16)[:n].cpu())
-    for name, e, got in zip(quant8.MOMENT_FORMATS, expected[1:], flats[1:], strict=True):
-        _same(f"together: {name} codes", e.view(torch.uint8)[:n], got.view(torch.uint8)[:n].cpu())
-        scales = got.view(torch.uint8)[n : quant8.stored_nbytes(n)].cpu().clone().view(torch.float32)
-        _same(f"together: {name} scales", e.view(torch.uint8)[n : quant8.stored_nbytes(n)].clone(), scales)
-    for t, nbytes in zip(flats, (2 * n, quant8.stored_nbytes(n), quant8.stored_nbytes(n)), strict=True):
-        t.view(torch.uint8)[nbytes:] = 0x55  # beyond the stored form: what a read leaves there, not the old values
-    values = (quant8._tables(True, device)[0], quant8._tables(False, device)[0])
-    entry_decode(flats, p, stored, values, (index, high), block, module)
-    remainder.decode_in_place(expected[0], param, exceptions)
-    for name, t in zip(quant8.MOMENT_FORMATS, expected[1:], strict=True):
-        quant8.widen_in_place(t, *quant8.MOMENT_FORMATS[name])
-    _same("together: mains", expected[0].view(torch.int32), flats[0].cpu().view(torch.int32))  # NaN's bits too
-    for name, e, got in zip(quant8.MOMENT_FORMATS, expected[1:], flats[1:], strict=True):
-        _same(f"together: {name} values", e, got.cpu())
 
 
 def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
@@ -264,7 +222,7 @@ def _on_the_tensors_device(convert: Callable) -> Callable:
 
     @functools.wraps(convert)
     def on_device(flat, *args, **kwargs):
-        device = flat.device if hasattr(flat, "device") else flat[0].device
+        device = (flat if isinstance(flat, torch.Tensor) else flat[0]).device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             return convert(flat, *args, **kwargs)
 
@@ -351,9 +309,9 @@ def _remainder_decode(module, low, param, bits, n: int) -> None:
 
 
 def _exception_slots(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-chunk exception counts (zeroed by each run), and the slots for their indices and high halves."""
+    """Per-chunk exception counts, and the slots for their indices and high halves."""
     return (
-        torch.empty(_MAX_RUN_CHUNKS, dtype=torch.int32, device=device),
+        torch.zeros(_MAX_RUN_CHUNKS, dtype=torch.int32, device=device),
         torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device),
         torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device),
     )
@@ -439,28 +397,20 @@ def remainder_encode(
     are still there for ``reference``; the run then resumes after it. The first chunk's
     low bits wait in the scratch until that read (their place is its own fp32 bytes)."""
     module = module or kernels(flat.device)
-    if not flat.numel():
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
-    scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.int16, device=flat.device)
-    return _remainder_runs(flat, param, low_out, scratch, reference, module)
-
-
-def _remainder_runs(flat, param, low_out, scratch, reference, module, launched=None):
-    """:func:`remainder_encode`'s runs of chunks (the first chunk's low bits in ``scratch``
-    until the run's wait). ``launched``: the exception counts and slots of a first run
-    already launched (:func:`entry_encode_start`: with the moments' chunks)."""
     bits, param16 = flat.view(torch.int32), param.view(torch.int16)
     spans = list(geometric_chunks(flat.numel(), widen=2))
-    counts, index, high = launched or _exception_slots(flat.device)
+    if not spans:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
+    scratch = torch.empty(spans[0][1], dtype=torch.int16, device=flat.device)
+    counts, index, high = _exception_slots(flat.device)
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     first = 0
     while first < len(spans):
         run = spans[first : first + _MAX_RUN_CHUNKS]
-        if first or launched is None:
-            counts.zero_()
-            for chunk, (s, e) in enumerate(run):
-                target = scratch if s == 0 else low_out[s:e]
-                _remainder_encode(module, bits[s:e], param16[s:e], target, counts, chunk, index, high, e - s, s)
+        counts.zero_()
+        for chunk, (s, e) in enumerate(run):
+            target = scratch if s == 0 else low_out[s:e]
+            _remainder_encode(module, bits[s:e], param16[s:e], target, counts, chunk, index, high, e - s, s)
         ran, total = 0, 0
         for count in counts[: len(run)].tolist():  # the entry's one wait on the device
             if count < 0 or total + count > _EXCEPTION_SLOTS:
@@ -586,7 +536,6 @@ def remainder_encode_packed(
     x, p = torch.cat(flats), torch.cat(params)
     low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
     counts, index, high = _exception_slots(x.device)
-    counts.zero_()
     _remainder_encode(module, x.view(torch.int32), p.view(torch.int16), low, counts, 0, index, high, x.numel(), 0)
     sizes = [t.numel() for t in flats]
     torch._foreach_copy_(lows, list(low.split(sizes)))
@@ -621,176 +570,3 @@ def remainder_decode_packed(
         index = torch.cat([i + s for (i, _), s in zip(exceptions, starts, strict=True)])
         _put_exceptions(x, index, torch.cat([h for _, h in exceptions]))
     torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))
-
-
-# ---- an entry's main and moments, together ------------------------------------------------
-# An entry whose main is stored as remainders and whose moments as 8-bit codes (the
-# compact formats together) is converted by one launch per chunk for all three tensors
-# (``triton_kernels.encode_entry`` / ``decode_entry``): fewer launches and less of the
-# host's work than converting each alone, which is what the codec's time goes to (the
-# device waits for the host: see docs/performance.md). The chunks are the remainder's
-# (``widen=2``): an 8-bit chunk ``[s, e)`` with ``e <= 2s`` also stores its codes
-# (bytes ``[s, e)``) below its own fp32 bytes, and widens onto bytes ``[4s, 4e)`` above
-# them. The first chunk's three stored forms go through scratch of 4 bytes per element
-# (16 MiB, as the remainder's alone), its low bits' (8 MiB) until its counts are read.
-
-
-def entry_fits(numel: int) -> bool:
-    """Whether an entry of ``numel`` elements is converted together (:func:`entry_encode`):
-    one not packed (``plan_packed``), whose chunks make one run of the exception counts."""
-    return numel > PACKED_MAX_ELEMENTS and len(list(geometric_chunks(numel, widen=2))) <= _MAX_RUN_CHUNKS
-
-
-@dataclasses.dataclass
-class PendingEntry:
-    """An :func:`entry_encode_start` whose main's exception counts are not read yet: its
-    first chunk's low bits wait in ``low_scratch`` (their place holds fp32 values the
-    fallback may need) until :func:`entry_encode_finish`."""
-
-    main: torch.Tensor
-    param: torch.Tensor
-    low_out: torch.Tensor
-    low_scratch: torch.Tensor
-    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    module: ModuleType
-
-    @property
-    def device(self) -> torch.device:
-        return self.main.device
-
-
-def entry_encode(flats, param, stored, guides, block: int, reference, module=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`entry_encode_start`, then :func:`entry_encode_finish`."""
-    return entry_encode_finish(entry_encode_start(flats, param, stored, guides, block, module), reference)
-
-
-@torch.no_grad()
-@_on_the_tensors_device
-def entry_encode_start(
-    flats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    param: torch.Tensor,
-    stored: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    guides: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    block: int,
-    module: ModuleType | None = None,
-) -> PendingEntry:
-    """Queue :func:`remainder_encode` of the main ``flats[0]`` (beside the bf16 ``param``)
-    into ``stored[0]``, and :func:`quant8_narrow` of ``flats[1]`` (exp_avg: signed) and of
-    the root of ``flats[2]`` (exp_avg_sq: unsigned) into ``stored[1]`` and ``stored[2]``
-    (the uint8 views of codes and scales' bytes in their storage), on the maps of
-    ``guides`` (signed, unsigned): one launch per chunk. The moments are done once the
-    device runs what is queued; the main once :func:`entry_encode_finish` has read its
-    exception counts (a chunk whose exceptions overflowed the slots is finished there)."""
-    main, m, v = flats
-    module = module or kernels(main.device)
-    low_out, (m_codes, m_scale_bytes), (v_codes, v_scale_bytes) = stored
-    (signed_mids, signed_guide), (unsigned_mids, unsigned_guide) = guides
-    n, first = main.numel(), min(main.numel(), SCRATCH_ELEMENTS)
-    scales = torch.empty(2, _cdiv(n, block), dtype=torch.float32, device=main.device)  # m's, then v's
-    # The low bits' scratch on its own: it stays allocated until the counts are read.
-    low_scratch = torch.empty(first, dtype=torch.int16, device=main.device)
-    m_scratch, v_scratch = torch.empty(2, first, dtype=torch.uint8, device=main.device)
-    bits, param16 = main.view(torch.int32), param.view(torch.int16)
-    spans = list(geometric_chunks(n, widen=2))
-    if len(spans) > _MAX_RUN_CHUNKS:
-        raise ValueError(f"an entry of {n} elements takes more than one run of chunks (see entry_fits)")
-    counts, index, high = slots = _exception_slots(main.device)
-    counts.zero_()
-    for chunk, (s, e) in enumerate(spans):
-        low, m_dst, v_dst, dst_start = (
-            (low_scratch, m_scratch, v_scratch, 0) if s == 0 else (low_out, m_codes, v_codes, s)
-        )
-        module.encode_entry[(_cdiv(e - s, _SPAN), 3)](
-            bits,
-            param16,
-            low,
-            counts,
-            chunk,
-            index,
-            high,
-            m,
-            m_dst,
-            scales[0],
-            v,
-            v_dst,
-            scales[1],
-            signed_mids,
-            signed_guide,
-            unsigned_mids,
-            unsigned_guide,
-            s,
-            dst_start,
-            e - s,
-            BLOCK=block,
-            ROWS=_ROWS,
-            SLOTS=_EXCEPTION_SLOTS,
-            CHUNKS=_MAX_RUN_CHUNKS,
-            GUIDE_SHIFT=GUIDE_SHIFT,
-            GUIDE_FIRST=GUIDE_FIRST,
-            GUIDE_SLICES=GUIDE_SLICES,
-            num_warps=_WARPS,
-        )
-    # Queued after every chunk has read its fp32 values: the first chunk's codes, then the
-    # scales (bytes [n, ...): fp32 elements from n / 4 on), take their places.
-    m_codes[:first].copy_(m_scratch)
-    v_codes[:first].copy_(v_scratch)
-    m_scale_bytes.copy_(scales[0].view(torch.uint8))
-    v_scale_bytes.copy_(scales[1].view(torch.uint8))
-    return PendingEntry(main, param, low_out, low_scratch, slots, module)
-
-
-@torch.no_grad()
-@_on_the_tensors_device
-def entry_encode_finish(pending: PendingEntry, reference) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read a started entry's exception counts (a wait on the device), finish what
-    overflowed the slots (``reference``, as :func:`remainder_encode`) and put the first
-    chunk's low bits in place; returns the main's exceptions."""
-    p = pending
-    return _remainder_runs(p.main, p.param, p.low_out, p.low_scratch, reference, p.module, launched=p.slots)
-
-
-@torch.no_grad()
-@_on_the_tensors_device
-def entry_decode(
-    flats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    param: torch.Tensor,
-    stored: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-    values: tuple[torch.Tensor, torch.Tensor],
-    exceptions: tuple[torch.Tensor, torch.Tensor],
-    block: int,
-    module: ModuleType | None = None,
-) -> None:
-    """The fp32 ``flats`` (main, exp_avg, exp_avg_sq) back from what :func:`entry_encode`
-    stored, on the maps ``values`` (signed, unsigned), back to front."""
-    main, m, v = flats
-    module = module or kernels(main.device)
-    low_in, (m_codes, m_scale_bytes), (v_codes, v_scale_bytes) = stored
-    # A copy: the first chunks' fp32 values land on the scales' bytes.
-    scales = torch.cat([m_scale_bytes, v_scale_bytes]).view(torch.float32).view(2, -1)
-    bits, param16 = main.view(torch.int32), param.view(torch.int16)
-    for s, e in reversed(list(geometric_chunks(main.numel(), widen=2))):
-        # The first chunk's fp32 values land on its own stored forms: read them out first.
-        if s == 0:
-            low, m_src, v_src, src_start = low_in[:e].clone(), m_codes[:e].clone(), v_codes[:e].clone(), 0
-        else:
-            low, m_src, v_src, src_start = low_in, m_codes, v_codes, s
-        module.decode_entry[(_cdiv(e - s, _SPAN), 3)](
-            low,
-            param16,
-            bits,
-            m_src,
-            scales[0],
-            m,
-            v_src,
-            scales[1],
-            v,
-            values[0],
-            values[1],
-            s,
-            src_start,
-            e - s,
-            BLOCK=block,
-            ROWS=_ROWS,
-            num_warps=_WARPS,
-        )
-    _put_exceptions(main, *exceptions)

@@ -26,27 +26,6 @@ def quantize(
     GUIDE_SLICES: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _quantize_rows(
-        x_ptr, codes_ptr, scales_ptr, mids_ptr, guide_ptr, rows, n, SQRT, BLOCK, GUIDE_SHIFT, GUIDE_FIRST, GUIDE_SLICES
-    )
-
-
-@triton.jit
-def _quantize_rows(
-    x_ptr,
-    codes_ptr,
-    scales_ptr,
-    mids_ptr,
-    guide_ptr,
-    rows,
-    n,
-    SQRT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GUIDE_SHIFT: tl.constexpr,
-    GUIDE_FIRST: tl.constexpr,
-    GUIDE_SLICES: tl.constexpr,
-):
-    """Blocks ``rows`` of ``x`` (n elements) to their codes and scales."""
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = offs < n
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)  # zero padding, as the reference pads
@@ -86,12 +65,6 @@ def dequantize(
     codes_ptr, scales_ptr, values_ptr, out_ptr, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _dequantize_rows(codes_ptr, scales_ptr, values_ptr, out_ptr, rows, n, SQUARE, BLOCK)
-
-
-@triton.jit
-def _dequantize_rows(codes_ptr, scales_ptr, values_ptr, out_ptr, rows, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
-    """Blocks ``rows`` of codes (n elements) back to their fp32 values."""
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = offs < n
     code = tl.load(codes_ptr + offs, mask=inside, other=0).to(tl.int32)
@@ -117,29 +90,6 @@ def remainder_encode(
     SPAN: tl.constexpr,
     CHUNKS: tl.constexpr,
 ):
-    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
-    _remainder_encode_span(
-        bits_ptr, param_ptr, low_ptr, counts_ptr, chunk, index_ptr, high_ptr, offs, n, base, SLOTS, CHUNKS
-    )
-
-
-@triton.jit
-def _remainder_encode_span(
-    bits_ptr,
-    param_ptr,
-    low_ptr,
-    counts_ptr,
-    chunk,
-    index_ptr,
-    high_ptr,
-    offs,
-    n,
-    base,
-    SLOTS: tl.constexpr,
-    CHUNKS: tl.constexpr,
-):
-    """Elements ``offs`` of chunk ``chunk`` (n elements from entry element ``base``) to
-    their low bits, and the exceptions among them into the slots."""
     # counts[k]: the exceptions chunk k of this run found, -1 where it stood down. A chunk
     # runs only while the earlier ones fit the slots: the chunk after an overflowing one
     # would write its low bits over that chunk's fp32 elements, which the host's fallback
@@ -148,6 +98,7 @@ def _remainder_encode_span(
     before = tl.sum(earlier, axis=0)
     stand_down = (tl.min(earlier, axis=0) < 0) | (before > SLOTS)
     tl.store(counts_ptr + chunk, -1, mask=stand_down)
+    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
     inside = offs < tl.where(stand_down, 0, n)  # a chunk that stands down touches nothing
     bits = tl.load(bits_ptr + offs, mask=inside, other=0)
     low = bits.to(tl.int16)  # truncation keeps the low 16 bits
@@ -167,154 +118,10 @@ def _remainder_encode_span(
 
 @triton.jit
 def remainder_decode(low_ptr, param_ptr, bits_ptr, n, SPAN: tl.constexpr):
-    _remainder_decode_span(low_ptr, param_ptr, bits_ptr, tl.program_id(0) * SPAN + tl.arange(0, SPAN), n)
-
-
-@triton.jit
-def _remainder_decode_span(low_ptr, param_ptr, bits_ptr, offs, n):
-    """Elements ``offs`` (of n) back to fp32 bits from their low bits and bf16 params."""
+    offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
     inside = offs < n
     low = tl.load(low_ptr + offs, mask=inside, other=0)
     param = tl.load(param_ptr + offs, mask=inside, other=0)
     rounded_up = (low < 0) & (low != -32768)
     high = (param - rounded_up.to(tl.int16)).to(tl.int32)
     tl.store(bits_ptr + offs, (high << 16) | (low.to(tl.int32) & 0xFFFF), mask=inside)
-
-
-# ---- an entry's three tensors at once ---------------------------------------------------
-# One chunk of an entry whose main is stored as remainders and whose moments as 8-bit
-# codes: elements [start, start + n) of all three. Program (i, part) does what program i
-# of one tensor's own kernel does, for exp_avg (part 0), exp_avg_sq (1) or the main (2):
-# one launch for the three, each program no more work (nor registers) than before (a
-# program doing all three ran the encoding 1.7x slower on an H200). Inputs are the
-# entry's own tensors (element ``start`` on); outputs (from ``dst_start``) the chunk's
-# place in the stored forms, or for the chunk that overlaps its own stored bytes a
-# scratch (``dst_start`` 0).
-
-
-@triton.jit
-def encode_entry(
-    bits_ptr,
-    param_ptr,
-    low_ptr,
-    counts_ptr,
-    chunk,
-    index_ptr,
-    high_ptr,
-    m_ptr,
-    m_codes_ptr,
-    m_scales_ptr,
-    v_ptr,
-    v_codes_ptr,
-    v_scales_ptr,
-    signed_mids_ptr,
-    signed_guide_ptr,
-    unsigned_mids_ptr,
-    unsigned_guide_ptr,
-    start,
-    dst_start,
-    n,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    GUIDE_SHIFT: tl.constexpr,
-    GUIDE_FIRST: tl.constexpr,
-    GUIDE_SLICES: tl.constexpr,
-):
-    part = tl.program_id(1)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    if part == 0:
-        _quantize_rows(
-            m_ptr + start,
-            m_codes_ptr + dst_start,
-            m_scales_ptr + start // BLOCK,
-            signed_mids_ptr,
-            signed_guide_ptr,
-            rows,
-            n,
-            False,
-            BLOCK,
-            GUIDE_SHIFT,
-            GUIDE_FIRST,
-            GUIDE_SLICES,
-        )
-    elif part == 1:
-        _quantize_rows(
-            v_ptr + start,
-            v_codes_ptr + dst_start,
-            v_scales_ptr + start // BLOCK,
-            unsigned_mids_ptr,
-            unsigned_guide_ptr,
-            rows,
-            n,
-            True,
-            BLOCK,
-            GUIDE_SHIFT,
-            GUIDE_FIRST,
-            GUIDE_SLICES,
-        )
-    else:
-        offs = tl.program_id(0) * (ROWS * BLOCK) + tl.arange(0, ROWS * BLOCK)
-        _remainder_encode_span(
-            bits_ptr + start,
-            param_ptr + start,
-            low_ptr + dst_start,
-            counts_ptr,
-            chunk,
-            index_ptr,
-            high_ptr,
-            offs,
-            n,
-            start,
-            SLOTS,
-            CHUNKS,
-        )
-
-
-@triton.jit
-def decode_entry(
-    low_ptr,
-    param_ptr,
-    bits_ptr,
-    m_codes_ptr,
-    m_scales_ptr,
-    m_ptr,
-    v_codes_ptr,
-    v_scales_ptr,
-    v_ptr,
-    signed_values_ptr,
-    unsigned_values_ptr,
-    start,
-    src_start,
-    n,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    part = tl.program_id(1)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    if part == 0:
-        _dequantize_rows(
-            m_codes_ptr + src_start,
-            m_scales_ptr + start // BLOCK,
-            signed_values_ptr,
-            m_ptr + start,
-            rows,
-            n,
-            False,
-            BLOCK,
-        )
-    elif part == 1:
-        _dequantize_rows(
-            v_codes_ptr + src_start,
-            v_scales_ptr + start // BLOCK,
-            unsigned_values_ptr,
-            v_ptr + start,
-            rows,
-            n,
-            True,
-            BLOCK,
-        )
-    else:
-        offs = tl.program_id(0) * (ROWS * BLOCK) + tl.arange(0, ROWS * BLOCK)
-        _remainder_decode_span(low_ptr + src_start, param_ptr + start, bits_ptr + start, offs, n)

@@ -12,9 +12,8 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
 The stored bytes always live in the first bytes of the fp32 tensor's own
 storage: a read fills them there and :meth:`Codec.decode` widens them in place;
 :meth:`Codec.encode` narrows in place before a write, a bucket's entries at once
-(on CUDA, small entries are converted packed: see ``fused.plan_packed``; an entry
-with a remainder main and 8-bit moments has its three tensors converted together:
-``together.py``). No full-size temporary.
+(on CUDA, small entries are converted packed: see ``fused.plan_packed``). No
+full-size temporary.
 
 The codec owns the remainder exceptions, which are state: they travel with
 checkpoints (:meth:`export` / :meth:`check` / :meth:`restore`).
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers.formats import quant8, remainder, together
+from miles_plugins.optimizers.formats import quant8, remainder
 from miles_plugins.optimizers.formats.convert import narrow_in_place, widen_in_place
 from miles_plugins.optimizers.formats.layout import BucketLayout, Segment
 
@@ -59,9 +58,6 @@ class Codec:
     def decode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
         """Turn the stored forms (just read) of ``items`` (entries of ``bucket``) into
         fp32, in place."""
-        entries, items = self._together(items)
-        for k, (main, exp_avg, exp_avg_sq, param) in entries:
-            together.decode(main, exp_avg, exp_avg_sq, param, self.exceptions[bucket.index][k])
         for kind, group in self._by_conversion(items):
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
@@ -77,9 +73,6 @@ class Codec:
         """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
         forms, in place (their fp32 values are gone afterwards). Each param must
         already hold its updated main rounded to bf16 (remainder mains)."""
-        entries, items = self._together(items)
-        for (k, _), exceptions in zip(entries, together.encode_many([tensors for _, tensors in entries]), strict=True):
-            self.exceptions[bucket.index][k] = exceptions
         for kind, group in self._by_conversion(items):
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
@@ -91,21 +84,6 @@ class Codec:
             else:
                 for tensor in tensors:
                     narrow_in_place(tensor, kind)
-
-    def _together(self, items: Sequence[Item]) -> tuple[list[tuple[int, tuple]], list[Item]]:
-        """The entries of ``items`` converted together (``together.applies``: a remainder
-        main and both moments 8-bit), as (entry, (main, exp_avg, exp_avg_sq, param)); and
-        the other items."""
-        by_entry: dict[int, dict[str, Item]] = {}
-        for item in items:
-            by_entry.setdefault(item[1], {})[item[0].name] = item
-        chosen = {}
-        for k, named in by_entry.items():
-            main, m, v = (named.get(name) for name in ("main", "exp_avg", "exp_avg_sq"))
-            if main and m and v and self.is_remainder(main[0]) and m[0].blockwise and v[0].blockwise:
-                if together.applies(main[2]):
-                    chosen[k] = (main[2], m[2], v[2], main[3])
-        return list(chosen.items()), [item for item in items if item[1] not in chosen]
 
     def _by_conversion(self, items: Sequence[Item]) -> list[tuple[object, list[Item]]]:
         """``items`` whose stored form differs from fp32, grouped by conversion: "remainder",
