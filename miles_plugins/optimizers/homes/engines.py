@@ -5,7 +5,8 @@ buffer (the baseline); :class:`PipelinedEngine` runs them on reader and writer
 threads, several requests in flight per direction, each thread with its own
 staging chunk and CUDA stream, so reads of one bucket and writes of another
 overlap each other and the caller's compute (a step's copies of pinned host
-memory need no thread: they are queued whole on a copy stream per direction). A
+memory need no thread: they are queued whole on a copy stream per direction; the
+overlap window's, beside training, go through one window thread per direction). A
 submission returns a :class:`Ticket` to wait on.
 
 Host memory for streaming is the staging chunks, whatever the state size (the
