@@ -361,8 +361,8 @@ def test_a_step_failing_after_its_walk_drops_its_deferred_writes_and_rolls_back(
 
 def test_only_the_windows_transfers_are_marked_beside_training(tmp_path, monkeypatch):
     """The engine is told which transfers run during forward and backward
-    (``beside_training``: on pinned host memory those go through the I/O threads, a
-    step's own are queued whole on copy streams; the routing itself needs CUDA, the
+    (``beside_training``: on pinned host memory those go through one window thread
+    per direction, a step's own are queued whole on copy streams; the routing itself needs CUDA, the
     GPU tier checks it): the window's deferred writes as they land and its reads
     ahead, never a step's own transfers, a plain ``prefetch()`` just before a step,
     or a read outside a step."""

@@ -326,8 +326,9 @@ def _starts(sizes: list[int]) -> list[int]:
 
 
 def _sorted_on_host(index: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exceptions found on the device, on the host, by index (sorted there: a few
-    thousand at most, where a device sort costs more host time than the sort itself)."""
+    """The exceptions found on the device, on the host, by index (sorted there: usually
+    a few thousand, at most ``_EXCEPTION_SLOTS``, where a device sort costs more host
+    time than the sort itself)."""
     index, high = index.cpu(), high.cpu()
     order = torch.argsort(index)
     return index[order], high[order]
@@ -461,7 +462,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the CPU) on ``device``. To CUDA through a pinned copy: from pageable memory
     a copy holds the host until the device has run everything queued before it (an
     entry's decode), which then idles while the host catches up."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

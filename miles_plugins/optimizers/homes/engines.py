@@ -199,9 +199,10 @@ class PipelinedEngine:
     stream's copy would be ordered neither with the caller's update nor with the
     caching allocator, which may hand a released bucket's memory out again.
 
-    Each thread owns one staging chunk and, on CUDA, one stream: a chunk's
-    device copy runs on that stream and is complete before the thread takes its
-    next request, so a staging chunk is never reused while a copy reads it.
+    Each reader/writer thread owns one staging chunk and, on CUDA, one stream: a
+    chunk's device copy runs on that stream and is complete before the thread
+    takes its next request, so a staging chunk is never reused while a copy
+    reads it (a window thread, below, has a stream and no staging).
 
     A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging
     inside a step: its transfers are queued whole, as asynchronous copies on one
@@ -211,12 +212,13 @@ class PipelinedEngine:
     43.0-43.7 through the threads. ``beside_training`` (the overlap window's
     transfers, during forward and backward) sends them instead through one
     *window thread* per direction, as requests of ``WINDOW_REQUEST_BYTES``, one
-    at a time: the training around them keeps the copy engines and the GIL
-    almost to itself. Measured in one call on the H200 (1.14B GPT, resident
-    1.901 s per iteration): a whole-state window 1.944 s this way, 1.970 through
-    the reader/writer threads; a 3 GiB window 2.154, against 2.200 through the
-    threads and 2.149 queued whole (which, with a whole-state window, ran 2.09 in
-    an earlier call: the training's own copies, we believe, waited behind ours).
+    at a time, leaving the training's own copies a place in the queues at every
+    request and its thread the GIL most of the time. Measured in one call on the
+    H200 (1.15B GPT, resident 1.901 s per iteration): a 3 GiB window 2.154 s this
+    way, against 2.200 through the reader/writer threads (2.206 in another call)
+    and 2.149 queued whole; a whole-state window 1.944, 1.970 through the
+    threads (one run each: not told apart), and queued whole it ran 2.09 in an
+    earlier call (the training's own copies, we believe, waited behind ours).
 
     Ordering with the caller's stream: ``ready`` is an event the caller records
     after the last work that must come first; each request's copy waits for it
