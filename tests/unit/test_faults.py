@@ -626,3 +626,20 @@ def test_a_transfer_hung_for_good_does_not_keep_the_process_alive(tmp_path, faul
         f"StreamIOTimeout; exited 0 after {seconds:.1f} s in all; scratch removed",
         "the steps since the last checkpoint",
     )
+
+
+def test_an_io_thread_that_cannot_start_fails_its_requests_at_once():
+    """A thread whose setup fails (on CUDA: its stream) fails every request it takes with
+    that error, instead of leaving them to time out as a hung drive would."""
+    from miles_plugins.optimizers.homes.engines import _DaemonPool
+
+    def setup():
+        raise RuntimeError("CUDA error: out of memory")
+
+    pool = _DaemonPool(1, "stream-read0", setup)
+    try:
+        error = pool.submit(lambda: "read").exception(timeout=5)
+    finally:
+        pool.shutdown(wait=True)
+    assert isinstance(error, RuntimeError), error
+    assert "stream-read0-0 could not start" in str(error) and "out of memory" in str(error)

@@ -155,10 +155,20 @@ class _DaemonPool:
             thread.start()
 
     def _serve(self, init: Callable[[], None]) -> None:
-        init()
+        try:
+            init()
+            broken = None
+        except Exception as exc:  # noqa: BLE001 - e.g. its CUDA stream could not be made
+            # Fail every request this thread takes, at once: left unserved they would be
+            # reported, a timeout later, as a hung drive.
+            broken = RuntimeError(f"I/O thread {threading.current_thread().name} could not start: {exc!r}")
+            broken.__cause__ = exc
         while (call := self._calls.get()) is not None:
             future, fn, args = call
             if not future.set_running_or_notify_cancel():
+                continue
+            if broken is not None:
+                future.set_exception(broken)
                 continue
             try:
                 future.set_result(fn(*args))
