@@ -429,6 +429,9 @@ def measure(args: argparse.Namespace) -> None:
         raise SystemExit(f"bench.iteration: unknown modes {unknown}; known: {', '.join(MODES)}")
     if args.iters < MIN_ITERS:
         raise SystemExit(f"bench.iteration: --iters must be {MIN_ITERS} or more (the median starts at the third)")
+    if args.run_timeout_s < MIN_RUN_S:
+        # Else every run would be skipped as "not run before the deadline", whatever the deadline.
+        raise SystemExit(f"bench.iteration: --run-timeout-s must be {MIN_RUN_S} or more (no run starts with less)")
     tree = os.environ.get("MEGATRON_LM_DIR", "")
     tree = os.path.abspath(tree) if tree else ""
     if modes:

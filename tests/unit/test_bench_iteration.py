@@ -211,6 +211,8 @@ def test_bad_requests_are_refused_before_running_anything(monkeypatch, tmp_path)
         iteration.main(["--modes", "resident,nvme"])
     with pytest.raises(SystemExit, match="--iters must be 5 or more"):
         iteration.main(["--iters", "3"])
+    with pytest.raises(SystemExit, match="--run-timeout-s must be 120 or more"):
+        iteration.main(["--run-timeout-s", "110"])
     with pytest.raises(SystemExit, match="needs MEGATRON_LM_DIR"):
         iteration.main(["--modes", "resident"])
     with pytest.raises(SystemExit, match="a mode given twice"):
