@@ -12,8 +12,9 @@ small entries packed, ``fused.plan_packed``): every entry of a bucket queued, th
 synchronization per bucket and direction (the remainder encoder waits once per
 entry or packed group besides). Wall time, once with the reference torch formulations
 (``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
-(``fused.py``), in one process; the stored bytes of the largest entry are compared
-(the GPU tier and the kernels' self-test compare every byte, edge cases included).
+(``fused.py``), in one process; the stored bytes of the largest entry, and every
+entry's remainder exceptions, are compared (the GPU tier and the kernels'
+self-test compare every byte, edge cases included).
 The buckets reuse one set of buffers: one sample per formulation, after a warm-up.
 Results before 2026-12-02 synchronized after every entry instead; before the
 third call of that day they called ``remainder.encode_many`` and
@@ -98,7 +99,7 @@ def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Ten
         t2 = time.perf_counter()
         timings["encode"] += t1 - t0
         timings["decode"] += t2 - t1_decode
-    return {**timings, "stored": stored}
+    return {**timings, "stored": stored, "exceptions": codec.export()}
 
 
 def main() -> None:
@@ -143,7 +144,7 @@ def main() -> None:
         sweep(entries[:4], buffers, param)  # compile and warm the caches
         buffers = {k: t.clone() for k, t in base.items()}
         result = sweep(entries, buffers, param)
-        stored[name] = result.pop("stored")
+        stored[name] = (result.pop("stored"), result.pop("exceptions"))
         total = result["encode"] + result["decode"]
         report[name] = {
             **{k: round(s, 4) for k, s in result.items()},
@@ -155,9 +156,9 @@ def main() -> None:
             f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms)",
             flush=True,
         )
-    report["same_stored_bytes"] = all(
-        torch.equal(a, b) for a, b in zip(stored["reference"], stored["fused"], strict=True)
-    )
+    (reference_bytes, reference_exceptions), (fused_bytes, fused_exceptions) = stored["reference"], stored["fused"]
+    report["same_stored_bytes"] = all(torch.equal(a, b) for a, b in zip(reference_bytes, fused_bytes, strict=True))
+    report["same_exceptions"] = reference_exceptions == fused_exceptions  # every entry's remainder exceptions
     report["device"] = torch.cuda.get_device_name()
     print(json.dumps(report, indent=1))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
