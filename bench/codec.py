@@ -1,6 +1,6 @@
 """The storage codecs at memory speed: encode + decode of a whole GPT's state on one GPU.
 
-    python -m bench.codec [--layers 24] [--hidden 5120] [--out bench-results/codec.json]
+    python -m bench.codec [--layers 24] [--hidden 5120] [--samples 3] [--out bench-results/codec.json]
 
 For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024;
 24 layers = 7.6B params), one entry each, as the store converts them: the fp32 main
@@ -15,7 +15,10 @@ entry or packed group besides). Wall time, once with the reference torch formula
 (``fused.py``), in one process; the stored bytes of the largest entry, and every
 entry's remainder exceptions, are compared (the GPU tier and the kernels'
 self-test compare every byte, edge cases included).
-The buckets reuse one set of buffers: one sample per formulation, after a warm-up.
+The buckets reuse one set of buffers; per formulation, after a warm-up,
+``--samples`` sweeps (3) from the same values, the median's times reported
+(within one call of 2026-12-02, one sample's time moved by up to 40% between
+runs).
 Results before 2026-12-02 synchronized after every entry instead; before the
 third call of that day they called ``remainder.encode_many`` and
 ``quant8.narrow_many`` directly, as ``Codec`` does.
@@ -106,8 +109,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument(
+        "--samples", type=int, default=3, help="sweeps per formulation; the median's times are reported"
+    )
     parser.add_argument("--out", default="bench-results/codec.json")
     args = parser.parse_args()
+    if args.samples < 1:
+        raise SystemExit("bench.codec: --samples must be 1 or more")
     if not torch.cuda.is_available():
         raise SystemExit("bench.codec: needs a CUDA device (the CPU path is the reference, not a target)")
     if fused.kernels() is None:
@@ -139,17 +147,20 @@ def main() -> None:
     stored = {}
     for name, on in (("reference", False), ("fused", True)):
         fused.enabled = on
-        buffers = {k: t.clone() for k, t in base.items()}
         param = torch.empty(largest, dtype=torch.bfloat16, device="cuda")
-        sweep(entries[:4], buffers, param)  # compile and warm the caches
-        buffers = {k: t.clone() for k, t in base.items()}
-        result = sweep(entries, buffers, param)
-        stored[name] = (result.pop("stored"), result.pop("exceptions"))
+        sweep(entries[:4], {k: t.clone() for k, t in base.items()}, param)  # compile and warm the caches
+        samples = []
+        for _ in range(args.samples):  # each from the same values
+            result = sweep(entries, {k: t.clone() for k, t in base.items()}, param)
+            stored.setdefault(name, (result.pop("stored"), result.pop("exceptions")))
+            samples.append({"encode": result["encode"], "decode": result["decode"]})
+        result = sorted(samples, key=lambda r: r["encode"] + r["decode"])[(len(samples) - 1) // 2]
         total = result["encode"] + result["decode"]
         report[name] = {
             **{k: round(s, 4) for k, s in result.items()},
             "total_s": round(total, 4),
             "x_bound": round(total / bound, 2),
+            "samples_total_s": [round(r["encode"] + r["decode"], 4) for r in samples],
         }
         print(
             f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s,"
