@@ -91,17 +91,50 @@ def test_fused_remainder_low_bits_and_exceptions_are_the_cpu_reference():
 
 
 def test_exceptions_past_the_device_slots_fall_back_and_stay_exact(monkeypatch):
-    """Sub-tiles with more exceptions than the kernel can collect (NaN mains) stand down, and
-    the reference path converts them, from fp32 bytes the kernel has not written over."""
+    """Tiles with more exceptions than the kernel can collect (NaN mains) stand down, and
+    the reference path converts them, from fp32 bytes the kernel has not written over:
+    the CPU reference's low bits and exceptions, and every fp32 bit back."""
     monkeypatch.setattr(fused, "_EXCEPTION_SLOTS", 64)
     main, param = _mains(NUMEL)
     main.view(torch.int32)[fused._TILE : fused._TILE + 5000] = 0x7FC01234  # NaN, payload
     param = main.bfloat16()
-    gpu = main.cuda()
+    cpu, gpu = main.clone(), main.cuda()
+    expected = remainder.encode_in_place(cpu, param)
     exceptions = remainder.encode_in_place(gpu, param.cuda())
     assert len(exceptions) >= 5000
+    assert torch.equal(expected.index, exceptions.index) and torch.equal(expected.high, exceptions.high)
+    assert torch.equal(cpu.view(torch.int16)[:NUMEL], gpu.view(torch.int16)[:NUMEL].cpu())
     remainder.decode_in_place(gpu, param.cuda(), exceptions)
     assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))
+
+
+def test_stand_downs_under_full_concurrency_match_the_reference(monkeypatch):
+    """Thousands of tiles in flight and a slot budget spent early: entries of 40M and 20M
+    elements in separate allocations (and two small ones), exact ties throughout and a
+    run of 300K NaN mains, 4096 slots. Whatever stood down, the bytes and exceptions are
+    those of the torch reference on the same device, and decode restores every bit.
+    (Written from the session's hostile review.)"""
+    monkeypatch.setattr(fused, "_EXCEPTION_SLOTS", 4096)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mains = [torch.randn(n, device="cuda", generator=g) for n in ((40 << 20) + 5, 3, (20 << 20) + 4097, 300_000)]
+    for i, main in enumerate(mains):
+        bits = main.view(torch.int32)
+        bits[i::997] = (bits[i::997] & ~0xFFFF) | 0x18000
+    mains[0].view(torch.int32)[5_000_000:5_300_000] = 0x7FC01234
+    params = [m.bfloat16() for m in mains]
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(fused, "enabled", on)
+        encoded = [m.clone() for m in mains]
+        results[on] = (encoded, remainder.encode_many(encoded, params))
+    for a, b, e, f in zip(*results[False], *results[True], strict=True):
+        assert torch.equal(a.view(torch.int16)[: a.numel()], b.view(torch.int16)[: b.numel()])
+        assert torch.equal(e.index, f.index) and torch.equal(e.high, f.high)
+    assert sum(len(e) for e in results[True][1]) > 300_000 + 4096
+    encoded, exceptions = results[True]
+    remainder.decode_many(encoded, params, exceptions)
+    for main, got in zip(mains, encoded, strict=True):
+        assert torch.equal(main.view(torch.int32), got.view(torch.int32))
 
 
 def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes():

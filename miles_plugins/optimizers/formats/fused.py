@@ -40,8 +40,11 @@ The remainder encoder collects exceptions in ``_EXCEPTION_SLOTS`` device slots p
 launch. A tile whose exceptions do not fit stands down, as do the tiles whose low bits
 would land on it (so its tiles wait before they release), leaving their fp32 bytes
 unread and unwritten; the host then converts those tiles with the reference, front to
-back (NaN mains, say: every one an exception). Both directions wait on the host once
-per launch at most (the encoder's exception count).
+back (NaN mains, say: every one an exception), a run of consecutive tiles per call.
+Decoding never waits on the host; encoding waits once per launch for its exception
+count (and, where tiles stood down, for their flags and in each reference call).
+One alignment flag serves a launch: a single entry (or param) off 16 bytes costs the
+whole launch its vector loads and stores.
 """
 
 from __future__ import annotations
@@ -279,6 +282,21 @@ class Launch:
         return bisect.bisect_right(self.firsts, tile) - 1
 
 
+def _runs(tiles: list[int], launch: Launch, sizes: list[int]) -> list[tuple[int, int, int]]:
+    """Ascending ``tiles`` of ``launch`` as runs of consecutive ones: (entry, first
+    element, end), one reference call each rather than one per tile."""
+    runs: list[tuple[int, int, int]] = []
+    for tile in tiles:
+        k = launch.entry_of(tile)
+        s = (tile - launch.firsts[k]) * _TILE
+        e = min(sizes[k], s + _TILE)
+        if runs and runs[-1][0] == k and runs[-1][2] == s:
+            runs[-1] = (k, runs[-1][1], e)
+        else:
+            runs.append((k, s, e))
+    return runs
+
+
 def _starts(sizes: list[int]) -> list[int]:
     """Where each of consecutive pieces of ``sizes`` elements starts."""
     starts = [0]
@@ -410,10 +428,8 @@ def remainder_encode(
     both = torch.cat([index[:used], high[:used].long()]).cpu()  # one copy back, not two
     found = [(both[:used], both[used:].to(torch.int16))]
     if down:  # front to back: a stood-down tile's low bits land on earlier elements
-        for tile in (launch.ctl[_HEAD:] == 2).nonzero().view(-1).tolist():
-            k = launch.entry_of(tile)
-            s = (tile - launch.firsts[k]) * _TILE
-            at, bits = reference(flats[k], params[k], s, min(sizes[k], s + _TILE))
+        for k, s, e in _runs((launch.ctl[_HEAD:] == 2).nonzero().view(-1).tolist(), launch, sizes):
+            at, bits = reference(flats[k], params[k], s, e)
             found.append((at + starts[k], bits))
     at, bits = torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
     order = torch.argsort(at)  # a few thousand, usually: cheaper on the host than a device sort

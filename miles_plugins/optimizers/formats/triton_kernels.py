@@ -144,7 +144,7 @@ def _quantize_tile(
         tl.store(codes_ptr + local, code, mask=local < left)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["entries"])
 def quantize(
     x_ptr,
     codes_ptr,
@@ -256,7 +256,7 @@ def _dequantize_tile(
         tl.store(x_ptr + local, y, mask=local < left)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["entries"])
 def dequantize(
     x_ptr,
     codes_ptr,
@@ -316,10 +316,15 @@ def _encode_tile(
     rounded_up = (low < 0) & (low != -32768)
     missed = (high != param - rounded_up.to(tl.int16)) & inside
     count = tl.sum(missed.to(tl.int32), axis=0)
+    # Slots are taken from the front, so [0, USED) are the filled ones: after a reservation
+    # that failed, none succeeds. A tile that sees them spent reserves nothing (the
+    # count, int32, then cannot wrap however many exceptions follow).
     slot = count * 0
+    fits = count == 0
     if count > 0:
-        slot = tl.atomic_add(ctl_ptr + _TOTAL, count)
-    fits = slot + count <= slots  # reservations after the first that failed all fail
+        if tl.load(ctl_ptr + _TOTAL, volatile=True) <= slots - count:
+            slot = tl.atomic_add(ctl_ptr + _TOTAL, count)
+            fits = slot <= slots - count
     if fits:
         _release(ctl_ptr, t, 1)  # the count used every element loaded
         if count > 0:
@@ -336,7 +341,7 @@ def _encode_tile(
         _release(ctl_ptr, t, 2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["entries", "slots"])
 def remainder_encode(
     bits_ptr,
     low_ptr,
@@ -394,7 +399,7 @@ def _decode_tile(
         tl.store(bits_ptr + local, bits, mask=local < left)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["entries"])
 def remainder_decode(
     bits_ptr, low_ptr, param_ptr, desc_ptr, ctl_ptr, entries, TILE: tl.constexpr, ALIGNED: tl.constexpr
 ):
@@ -412,7 +417,7 @@ def remainder_decode(
         _decode_tile(bits, low, param, left, ctl_ptr, t, first, j, tiles, TILE, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def put_highs(high16_ptr, table_ptr, count, TILE: tl.constexpr):
     """Exceptions' true high halves: ``table`` holds ``count`` int16 positions from
     ``high16_ptr`` (an element's high half), then their values."""
