@@ -214,6 +214,13 @@ def test_kernels_that_do_not_build_leave_the_reference_with_a_warning(monkeypatc
         fused._checked_kernels.cache_clear()
 
 
+def test_a_launch_refuses_tensors_of_two_devices():
+    """Offsets from one entry's pointer to another's mean nothing across devices (a
+    caller's bug, not a bucket the codec builds): refused before anything is launched."""
+    with pytest.raises(ValueError, match="one launch converts tensors of one device"):
+        fused.Launch([torch.zeros(8), torch.zeros(8, device="meta")], [0, 0])
+
+
 @NEEDS_TRITON
 def test_interpreted_kernels_store_the_reference_bytes():
     # The interpreter is chosen when the kernels are decorated: a process of its own.

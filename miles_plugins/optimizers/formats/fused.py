@@ -258,6 +258,9 @@ class Launch:
     starts on 16 bytes, so the kernels may use vector loads and stores."""
 
     def __init__(self, flats: list[torch.Tensor], aux: list[int], params: list[torch.Tensor] | None = None) -> None:
+        devices = {t.device for t in flats + (params or [])}
+        if len(devices) != 1:  # offsets between devices would address neither
+            raise ValueError(f"one launch converts tensors of one device, not {sorted(map(str, devices))}")
         self.base = min(flats, key=lambda t: t.data_ptr())
         self.param_base = min(params, key=lambda t: t.data_ptr()) if params else self.base
         self.firsts = _starts([_cdiv(t.numel(), _TILE) for t in flats])  # each entry's first tile
