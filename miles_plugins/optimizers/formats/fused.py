@@ -271,10 +271,8 @@ class Launch:
             param_offset = (params[k].data_ptr() - self.param_base.data_ptr()) // 2 if params else 0
             rows += [self.offset(t), t.numel(), self.firsts[k], aux[k], param_offset]
         self.aligned = all(t.data_ptr() % 16 == 0 for t in flats + (params or []))
-        device = self.base.device
-        pinned = device.type == "cuda"  # a pageable copy would hold the host until the device caught up
-        self.desc = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
-        self.ctl = torch.zeros(_HEAD + self.tiles, dtype=torch.int32, device=device)
+        self.desc = _to_device(torch.tensor(rows, dtype=torch.int64), self.base.device)
+        self.ctl = torch.zeros(_HEAD + self.tiles, dtype=torch.int32, device=self.base.device)
 
     def offset(self, t: torch.Tensor) -> int:
         """``t``'s first element, in fp32 elements from the launch's base."""

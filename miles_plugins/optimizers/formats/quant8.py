@@ -226,23 +226,21 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
 
 def narrow_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
     """:func:`narrow_in_place` of every tensor; on CUDA, all in one fused launch."""
-    quantized = [t for t in tensors if quantizes(t.numel())]
-    if quantized and all(fused.applies(t) for t in quantized):
-        stored = [_codes_and_scales(t)[1] for t in quantized]
-        guide = _search_guide(signed, quantized[0].device)
-        fused.quant8_narrow([t.view(-1) for t in quantized], stored, guide, sqrt, BLOCK)
-        return
-    for t in quantized:
-        narrow_in_place(t, signed, sqrt)
+    _each_or_fused(tensors, signed, sqrt, narrow_in_place, fused.quant8_narrow, _search_guide)
 
 
 def widen_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
     """:func:`widen_in_place` of every tensor; on CUDA, all in one fused launch."""
+    _each_or_fused(tensors, signed, sqrt, widen_in_place, fused.quant8_widen, lambda *a: _tables(*a)[0])
+
+
+def _each_or_fused(tensors, signed: bool, sqrt: bool, one, fused_all, table) -> None:
+    """``fused_all`` of the tensors stored in 8 bits, with the map's ``table(signed,
+    device)``, where the fused kernels serve them all; else ``one(t, signed, sqrt)`` each."""
     quantized = [t for t in tensors if quantizes(t.numel())]
     if quantized and all(fused.applies(t) for t in quantized):
         stored = [_codes_and_scales(t)[1] for t in quantized]
-        values = _tables(signed, quantized[0].device)[0]
-        fused.quant8_widen([t.view(-1) for t in quantized], stored, values, sqrt, BLOCK)
+        fused_all([t.view(-1) for t in quantized], stored, table(signed, quantized[0].device), sqrt, BLOCK)
         return
     for t in quantized:
-        widen_in_place(t, signed, sqrt)
+        one(t, signed, sqrt)
