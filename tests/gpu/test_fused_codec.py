@@ -127,7 +127,7 @@ def test_stand_downs_under_full_concurrency_match_the_reference(monkeypatch):
         monkeypatch.setattr(fused, "enabled", on)
         encoded = [m.clone() for m in mains]
         results[on] = (encoded, remainder.encode_many(encoded, params))
-    for a, b, e, f in zip(*results[False], *results[True], strict=True):
+    for a, e, b, f in zip(*results[False], *results[True], strict=True):
         assert torch.equal(a.view(torch.int16)[: a.numel()], b.view(torch.int16)[: b.numel()])
         assert torch.equal(e.index, f.index) and torch.equal(e.high, f.high)
     assert sum(len(e) for e in results[True][1]) > 300_000 + 4096
