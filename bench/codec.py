@@ -7,10 +7,10 @@ For every param of the scale tier's GPT shape (hidden 5120, vocab 8192, seq 1024
 to remainder low bits and back (beside its bf16 param), both moments to 8-bit codes
 and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
 the store's buckets (64M elements, a param never split) and converted bucket by
-bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: on CUDA
-one fused launch per kind of conversion and bucket): every entry of a bucket
-queued, then one device synchronization per bucket and direction (the remainder
-encoder's read of its exception count besides). Wall time, once with the reference torch formulations
+bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
+small entries packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
+synchronization per bucket and direction (the remainder encoder waits once per
+entry or packed group besides). Wall time, once with the reference torch formulations
 (``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
 (``fused.py``), in one process; the stored bytes of the largest entry, and every
 entry's remainder exceptions, are compared (the GPU tier and the kernels'
@@ -21,8 +21,7 @@ The buckets reuse one set of buffers; per formulation, after a warm-up,
 runs).
 Results before 2026-12-02 synchronized after every entry instead; before the
 third call of that day they called ``remainder.encode_many`` and
-``quant8.narrow_many`` directly, as ``Codec`` does; before 2026-12-02 (session e)
-the fused path launched per entry and per geometric chunk.
+``quant8.narrow_many`` directly, as ``Codec`` does.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment

@@ -67,13 +67,12 @@ _ABANDONED: list = []
 # - torch's Adam keeps one fp32 temporary per element of the bucket it updates
 #   (the denominator sqrt(exp_avg_sq) + eps): 4 bytes per element;
 ADAM_TEMPORARY_BYTES_PER_ELEMENT = 4
-# - storage-format conversions: the reference formulations work in chunks of
-#   CHUNK_ELEMENTS, the remainder codec's chunk temporaries the largest, about 12
-#   bytes per element (the 8-bit codec's at most 9, plus 1/64 byte per element of
-#   the entry for its scales). The fused kernels convert in place with 1/64 byte per
-#   element for the 8-bit scales, 640 KiB of exception slots and a flag per 4096
-#   elements; tiles whose remainder exceptions overflow the slots (NaN mains) go
-#   through the reference's chunks.
+# - storage-format conversions work in chunks of CHUNK_ELEMENTS; the remainder
+#   codec's chunk temporaries are the largest, about 12 bytes per element (the
+#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales;
+#   the fused kernels' packed groups of small entries 8). Not counted: a chunk or
+#   packed group whose remainder exceptions overflow the device's slots (NaN mains)
+#   keeps its fp32 values while the reference path finds them, up to about twice this.
 CONVERSION_SCRATCH_BYTES = 12 * CHUNK_ELEMENTS
 
 

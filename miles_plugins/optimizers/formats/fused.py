@@ -1,11 +1,9 @@
 """Fused CUDA kernels (Triton) for the 8-bit and remainder codecs: the same bytes as
 ``quant8.py`` and ``remainder.py``, which stay the reference (and the CPU path).
 
-Why: the reference formulations run a dozen elementwise passes per chunk, and convert
-an entry at a time. The fused kernels read each fp32 element once, write its stored form
-once, and convert all of a bucket's entries of one kind in one launch: the codec's cost
-was the host's, per entry and per chunk (2026-12-02: 544 launches per 4-layer slice at
-about 20 us each, the device busy 24 ms of 57).
+Why: the reference formulations run a dozen elementwise passes per chunk, and the
+remainder encoder waits on the host for every 4M-element chunk's exceptions. A fused kernel reads
+each fp32 element once and writes its stored form once.
 
 Exactness: every operation is the reference's IEEE one. ``tl.div_rn`` and ``tl.sqrt_rn``
 round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate), and subnormal
@@ -21,40 +19,26 @@ compares the bytes with the CPU reference, and so does a self-test on crafted va
 when the kernels are first wanted: a Triton that does not build them, or builds them
 to other bytes, leaves the reference in charge, with a warning.
 
-In place, in one launch: an entry's stored form lives in the first bytes of its fp32
-storage (see ``convert.py``), so a program's stores may land on elements another has
-yet to read. Each program converts one tile of an entry (``_TILE`` elements) and takes
-it by ticket (an atomic counter), not by program id, so it only ever waits on programs
-that are already running. A tile releases its flag (release semantics) once its loads
-are consumed, and only then waits, before its stores, for the tiles its stores land on:
-narrowing, tickets go front to back and tile ``j``'s ``w``-byte codes land on tile
-``w * j // 4``'s fp32 bytes; widening, back to front, tile ``j``'s fp32 values land on
-the codes of tiles ``4j / w`` to ``4(j + 1) / w - 1``. No release waits on another
-tile, so the waits never chain (measured on an H200, 2026-12-02: tiles that waited
-before releasing, four 4096-element sub-tiles each, took the 8-bit encoder from 0.36
-to 0.45-0.64 ms per 64M elements). Only an entry's first tile overlaps itself: its
-program reads it whole before a barrier, then stores. The 8-bit scales go through a
-separate buffer (1/64 byte per element), copied into place after the launch.
+In place, in few launches: the stored form lives in the first bytes of the fp32
+tensor's storage (see ``convert.py``). A chunk of fp32 elements ``[s, e)`` (bytes
+``[4s, 4e)``) narrows to bytes ``[ws, we)`` of ``w``-byte codes; the two do not
+overlap when ``w * e <= 4 * s``, so one launch may read the chunk and write its codes
+directly. Chunks therefore grow geometrically (``[s, 4s / w)``): an entry of ``n``
+elements takes ``log(n / SCRATCH_ELEMENTS)`` launches, and only the first chunk,
+which overlaps itself, goes through a scratch of ``SCRATCH_ELEMENTS`` codes.
 
-The remainder encoder collects exceptions in ``_EXCEPTION_SLOTS`` device slots per
-launch. A tile whose exceptions do not fit stands down, as do the tiles whose low bits
-would land on it (so its tiles wait before they release), leaving their fp32 bytes
-unread and unwritten; the host then converts those tiles with the reference, front to
-back (NaN mains, say: every one an exception), a run of consecutive tiles per call.
-Decoding never waits on the host; encoding waits once per launch for its exception
-count (and, where tiles stood down, for their flags and in each reference call).
-One alignment flag serves a launch: a single entry (or param) off 16 bytes costs the
-whole launch its vector loads and stores.
+Small entries (biases, norms) cost host time per operation, not device time per
+byte: a bucket's are converted packed (``plan_packed``), out of place in one buffer
+per group, with a handful of operations per group.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -63,17 +47,30 @@ from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
 
 logger = logging.getLogger(__name__)
 
-# Elements per tile, one program's work (16 8-bit blocks of 256); warps per program.
-_TILE = 4096
+# The first chunk of an entry, which overlaps its own stored form, goes through a
+# scratch of this many codes: at most 4 bytes each (16 MiB), within the conversion
+# scratch the store states (``store.CONVERSION_SCRATCH_BYTES``).
+SCRATCH_ELEMENTS = CHUNK_ELEMENTS
+# Blocks of 256 elements per Triton program (quant8), elements per program (remainder),
+# warps per program (all kernels).
+_ROWS = 16
+_SPAN = 4096
 _WARPS = 4
-# The kernels' control block: counters, then a flag per tile (triton_kernels._HEAD).
-_HEAD = 4
-_USED, _DOWN = 2, 3
-# Remainder exceptions collected on the device per launch; past them the host's reference
-# converts what stood down.
+# Remainder exceptions collected on the device per run of chunks; past it (a chunk full
+# of NaN mains, say) that chunk's exceptions are found by the reference path instead.
 _EXCEPTION_SLOTS = 1 << 16
-# Exceptions put back per launch of ``put_highs`` in decode (16 bytes each on the device).
-_PUT_GROUP = CHUNK_ELEMENTS // 4
+# Entries of at most this many elements (biases, norms: two thirds of a GPT's entries)
+# are converted packed, a group at a time (``plan_packed``): their conversion costs
+# host time per operation, not device time per byte.
+PACKED_MAX_ELEMENTS = SCRATCH_ELEMENTS // 4
+# Chunks of one remainder run (the encoder's exception counts per chunk): 4M elements,
+# then doubling to _MAX_CHUNK, then _MAX_CHUNK each; far past any entry Megatron builds.
+_MAX_RUN_CHUNKS = 32
+assert _MAX_RUN_CHUNKS & (_MAX_RUN_CHUNKS - 1) == 0, "the kernel loads the counts with tl.arange: a power of two"
+# The longest chunk of one launch: element offsets inside a kernel are 32-bit.
+_MAX_CHUNK = 1 << 30
+# Chunk boundaries are sums of these: a quant8 block (256 elements) never straddles two.
+assert SCRATCH_ELEMENTS % 256 == 0 and _MAX_CHUNK % 256 == 0, "chunks must hold whole 8-bit blocks"
 
 
 # MILES_FUSED_CODEC=0 keeps the reference formulations on CUDA too (a kill switch; the
@@ -115,8 +112,7 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
     """Build every kernel (Triton compiles at first launch) on crafted values on
     ``device`` (the CPU under Triton's interpreter) and compare what it stores with the
     reference on the CPU: exact ties, zero (both signs), subnormal, infinite and NaN
-    values, remainder exceptions; entries of one launch both 16-byte aligned and not
-    (the two variants the kernels are built in). Raises where a byte differs."""
+    values, remainder exceptions. Raises where a byte differs."""
     from miles_plugins.optimizers.formats import quant8, remainder
 
     cpu, block = torch.device("cpu"), quant8.BLOCK
@@ -128,58 +124,41 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
     x[3 * block + 6 : 4 * block] = torch.linspace(-3, 2, block - 6, device=cpu)
     x[5 * block : 6 * block] = -0.0
     x[6 * block :] = torch.tensor([3.0, -2.5, 1e-3, -7.0, 0.5, 1e-45, -0.0], device=cpu)
-    # Entries of several tiles (whole ones, and a partial one), so that
-    # tiles wait on others; their blocks repeat the crafted ones.
-    repeats = 2 * _TILE // (6 * block) + 1
-    long = torch.cat([x[: 6 * block].repeat(repeats), x[6 * block :]])
-    for name in quant8.MOMENT_FORMATS:
+    # Two lengths, one a multiple of 16 and one not: Triton specializes a kernel on that.
+    cases = [(name, v[:n]) for name, v in (("exp_avg", x), ("exp_avg_sq", x.abs())) for n in (4 * block, x.numel())]
+    for name, values in cases:
         signed, sqrt = quant8.MOMENT_FORMATS[name]
-        values = long.abs() if sqrt else long
-        for skew in (0, 1):  # entries at 16-byte boundaries, then one element off them
-            lengths = (values.numel() - 7, values.numel())  # a multiple of 16, and not
-            expected = [values[:n].clone() for n in lengths]
-            storage = torch.zeros(sum(lengths) + 8, device=device)
-            t = [storage[skew : skew + lengths[0]], storage[-lengths[1] :]]
-            for target, source in zip(t, expected, strict=True):
-                target.copy_(source)
-            stored = [quant8._codes_and_scales(e)[1] for e in t]
-            for e in expected:
-                quant8.narrow_in_place(e, signed, sqrt)
-            quant8_narrow(t, stored, quant8._search_guide(signed, device), sqrt, block, module)
-            for e, got in zip(expected, t, strict=True):
-                n, end = got.numel(), quant8.stored_nbytes(got.numel())
-                _same(name + " codes", e.view(torch.uint8)[:n], got.view(torch.uint8)[:n].cpu())
-                scales = got.view(torch.uint8)[n:end].clone().view(torch.float32).cpu()
-                _same(name + " scales", e.view(torch.uint8)[n:end].clone(), scales)
-                quant8.widen_in_place(e, signed, sqrt)
-            quant8_widen(t, stored, quant8._tables(signed, device)[0], sqrt, block, module)
-            for e, got in zip(expected, t, strict=True):
-                _same(name + " values", e, got.cpu())
-    for skew in (0, 1):
-        mains, params = [], []
-        for length in (2 * _TILE + 3 * block, 2 * _TILE + 3 * block + 5):
-            main = torch.linspace(-4, 4, length, device=cpu)
-            bits = main.view(torch.int32)
-            bits[::7] = (bits[::7] & ~0xFFFF) | 0x18000  # exact ties with an odd high half: exceptions
-            main[3], main[4], main[5] = float("nan"), float("-inf"), 1e-40
-            mains.append(main)
-            params.append(main.bfloat16())
-        expected = [m.clone() for m in mains]
-        exceptions = [remainder.encode_in_place(e, p) for e, p in zip(expected, params, strict=True)]
-        storage = torch.zeros(sum(m.numel() for m in mains) + 8, device=device)
-        param_storage = torch.zeros(storage.numel(), dtype=torch.bfloat16, device=device)
-        t = [storage[skew : skew + mains[0].numel()], storage[-mains[1].numel() :]]
-        p = [param_storage[skew : skew + mains[0].numel()], param_storage[-mains[1].numel() :]]
-        for target, source in zip(t + p, mains + params, strict=True):
-            target.copy_(source)
-        found = remainder_encode(t, p, remainder._encode_range, module)
-        for e, got, ex, (index, high) in zip(expected, t, exceptions, found, strict=True):
-            low = got.view(torch.int16)[: got.numel()].cpu()
-            _same("remainder low bits", remainder.stored_view(e, remainder.STORAGE_DTYPE), low)
-            _same("remainder exceptions", torch.cat([ex.index, ex.high.long()]), torch.cat([index, high.long()]))
-        remainder_decode(t, p, found, module)
-        for main, got in zip(mains, t, strict=True):
-            _same("remainder mains", main.view(torch.int32), got.cpu().view(torch.int32))  # every bit, NaN's too
+        expected, t = values.clone(), values.to(device, copy=True)
+        quant8.narrow_in_place(expected, signed, sqrt)
+        codes, scale_bytes = quant8._codes_and_scales(t)
+        scales = torch.empty(-(-t.numel() // block), device=device)
+        quant8_narrow(t.view(-1), codes, scales, quant8._search_guide(signed, device), sqrt, block, module)
+        scale_bytes.copy_(scales.view(torch.uint8))
+        _same(name + " codes", expected.view(torch.uint8)[: t.numel()], codes.cpu())
+        _same(
+            name + " scales",
+            expected.view(torch.uint8)[t.numel() : quant8.stored_nbytes(t.numel())].clone(),
+            scales.cpu(),
+        )
+        quant8.widen_in_place(expected, signed, sqrt)
+        quant8_widen(t.view(-1), codes, scales, quant8._tables(signed, device)[0], sqrt, block, module)
+        _same(name + " values", expected, t.cpu())
+    for length in (3 * block, 3 * block + 5):
+        main = torch.linspace(-4, 4, length, device=cpu)
+        bits = main.view(torch.int32)
+        bits[::7] = (bits[::7] & ~0xFFFF) | 0x18000  # exact ties with an odd high half: exceptions
+        main[3], main[4], main[5] = float("nan"), float("-inf"), 1e-40
+        param = main.bfloat16()
+        expected = main.clone()
+        exceptions = remainder.encode_in_place(expected, param)
+        t, p = main.to(device, copy=True), param.to(device, copy=True)
+        low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
+        index, high = remainder_encode(t.view(-1), p.view(-1), low, remainder._exceptions, module)
+        _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
+        found = torch.cat([index, high.long()])
+        _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
+        remainder_decode(t.view(-1), p.view(-1), low, index, high, module)
+        _same("remainder mains", main.view(torch.int32), t.cpu().view(torch.int32))  # every bit, NaN's too
 
 
 def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
@@ -236,66 +215,106 @@ def search_guide(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _on_the_tensors_device(convert: Callable) -> Callable:
-    """Run ``convert(flats, ...)`` with the device of ``flats`` (tensors on one device)
-    current: Triton launches on the current device's current stream, where torch's own
-    ops run under the tensor's device; so the launches order with the stream the store
-    queued its work on, whichever device is current."""
+    """Run ``convert(flat, ...)`` with ``flat``'s device current (``flat`` a tensor, or a
+    list of tensors on one device): Triton launches on the current device's current
+    stream, where torch's own ops run under the tensor's device; so the launches order
+    with the stream the store queued its work on, whichever device is current."""
 
     @functools.wraps(convert)
-    def on_device(flats, *args, **kwargs):
-        device = flats[0].device
+    def on_device(flat, *args, **kwargs):
+        device = (flat if isinstance(flat, torch.Tensor) else flat[0]).device
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            return convert(flats, *args, **kwargs)
+            return convert(flat, *args, **kwargs)
 
     return on_device
 
 
-class Launch:
-    """One launch's entries (1-D tensors on one device, none empty): the descriptor the
-    kernels read (per entry, as ``triton_kernels._COLS`` says) and their control block.
-    Pointers are passed as the lowest entry's (and param's) plus element offsets, which
-    keeps the kernels' pointer arithmetic typed; ``aligned``: every entry (and param)
-    starts on 16 bytes, so the kernels may use vector loads and stores."""
-
-    def __init__(self, flats: list[torch.Tensor], aux: list[int], params: list[torch.Tensor] | None = None) -> None:
-        devices = {t.device for t in flats + (params or [])}
-        if len(devices) != 1:  # offsets between devices would address neither
-            raise ValueError(f"one launch converts tensors of one device, not {sorted(map(str, devices))}")
-        self.base = min(flats, key=lambda t: t.data_ptr())
-        self.param_base = min(params, key=lambda t: t.data_ptr()) if params else self.base
-        self.firsts = _starts([_cdiv(t.numel(), _TILE) for t in flats])  # each entry's first tile
-        self.tiles = self.firsts[-1] + _cdiv(flats[-1].numel(), _TILE)  # the grid
-        self.entries = len(flats)
-        rows: list[int] = []
-        for k, t in enumerate(flats):
-            param_offset = (params[k].data_ptr() - self.param_base.data_ptr()) // 2 if params else 0
-            rows += [self.offset(t), t.numel(), self.firsts[k], aux[k], param_offset]
-        self.aligned = all(t.data_ptr() % 16 == 0 for t in flats + (params or []))
-        self.desc = _to_device(torch.tensor(rows, dtype=torch.int64), self.base.device)
-        self.ctl = torch.zeros(_HEAD + self.tiles, dtype=torch.int32, device=self.base.device)
-
-    def offset(self, t: torch.Tensor) -> int:
-        """``t``'s first element, in fp32 elements from the launch's base."""
-        return (t.data_ptr() - self.base.data_ptr()) // 4
-
-    def entry_of(self, tile: int) -> int:
-        """The entry tile ``tile`` belongs to."""
-        return bisect.bisect_right(self.firsts, tile) - 1
+def geometric_chunks(n: int, widen: int) -> Iterator[tuple[int, int]]:
+    """Front-to-back chunks ``[s, e)`` of ``n`` elements for a stored form ``widen`` times
+    narrower than fp32: ``[0, SCRATCH_ELEMENTS)``, then ``[s, widen * s)``, whose stored
+    bytes never overlap their own fp32 bytes (the first chunk's do)."""
+    s = 0
+    while s < n:
+        e = min(n, SCRATCH_ELEMENTS if s == 0 else min(widen * s, s + _MAX_CHUNK))
+        yield s, e
+        s = e
 
 
-def _runs(tiles: list[int], launch: Launch, sizes: list[int]) -> list[tuple[int, int, int]]:
-    """Ascending ``tiles`` of ``launch`` as runs of consecutive ones: (entry, first
-    element, end), one reference call each rather than one per tile."""
-    runs: list[tuple[int, int, int]] = []
-    for tile in tiles:
-        k = launch.entry_of(tile)
-        s = (tile - launch.firsts[k]) * _TILE
-        e = min(sizes[k], s + _TILE)
-        if runs and runs[-1][0] == k and runs[-1][2] == s:
-            runs[-1] = (k, runs[-1][1], e)
-        else:
-            runs.append((k, s, e))
-    return runs
+def plan_packed(tensors: list[torch.Tensor], unit: int = 1) -> tuple[list[int], list[list[int]]]:
+    """Which of ``tensors`` (one kind of conversion) to convert one by one, and which
+    packed: groups of the small ones (at most ``PACKED_MAX_ELEMENTS`` elements, a
+    multiple of ``unit``: whole 8-bit blocks) in their order, ``SCRATCH_ELEMENTS`` at
+    most per group, where the fused kernels serve. Indices into ``tensors``."""
+    singles: list[int] = []
+    groups: list[list[int]] = []
+    size = SCRATCH_ELEMENTS
+    for k, t in enumerate(tensors):
+        n = t.numel()
+        if not (0 < n <= PACKED_MAX_ELEMENTS and n % unit == 0 and applies(t)):
+            singles.append(k)
+            continue
+        if size + n > SCRATCH_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return singles, groups
+
+
+def _quantize(module, x, codes, scales, guide, n: int, sqrt: bool, block: int) -> None:
+    midpoints, slices = guide
+    module.quantize[(_cdiv(_cdiv(n, block), _ROWS),)](
+        x,
+        codes,
+        scales,
+        midpoints,
+        slices,
+        n,
+        SQRT=sqrt,
+        BLOCK=block,
+        ROWS=_ROWS,
+        num_warps=_WARPS,
+        GUIDE_SHIFT=GUIDE_SHIFT,
+        GUIDE_FIRST=GUIDE_FIRST,
+        GUIDE_SLICES=GUIDE_SLICES,
+    )
+
+
+def _dequantize(module, codes, scales, values, out, n: int, sqrt: bool, block: int) -> None:
+    module.dequantize[(_cdiv(_cdiv(n, block), _ROWS),)](
+        codes, scales, values, out, n, SQUARE=sqrt, BLOCK=block, ROWS=_ROWS, num_warps=_WARPS
+    )
+
+
+def _remainder_encode(module, bits, param, low, counts, chunk: int, index, high, n: int, base: int) -> None:
+    module.remainder_encode[(_cdiv(n, _SPAN),)](
+        bits,
+        param,
+        low,
+        counts,
+        chunk,
+        index,
+        high,
+        n,
+        base,
+        SLOTS=_EXCEPTION_SLOTS,
+        SPAN=_SPAN,
+        CHUNKS=_MAX_RUN_CHUNKS,
+        num_warps=_WARPS,
+    )
+
+
+def _remainder_decode(module, low, param, bits, n: int) -> None:
+    module.remainder_decode[(_cdiv(n, _SPAN),)](low, param, bits, n, SPAN=_SPAN, num_warps=_WARPS)
+
+
+def _exception_slots(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-chunk exception counts, and the slots for their indices and high halves."""
+    return (
+        torch.zeros(_MAX_RUN_CHUNKS, dtype=torch.int32, device=device),
+        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device),
+        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device),
+    )
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -306,172 +325,249 @@ def _starts(sizes: list[int]) -> list[int]:
     return starts
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (on the CPU) on ``device``. To CUDA through a pinned copy: from pageable memory
-    a copy holds the host until the device has run everything queued before it."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+def _sorted_on_host(index: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exceptions found on the device, on the host, by index (sorted there: usually
+    a few thousand, at most ``_EXCEPTION_SLOTS``, where a device sort costs more host
+    time than the sort itself)."""
+    index, high = index.cpu(), high.cpu()
+    order = torch.argsort(index)
+    return index[order], high[order]
 
 
-# ---- a bucket's entries of one kind, in place, one launch --------------------------
+# ---- one entry, in place ------------------------------------------------------------
 
 
 @torch.no_grad()
 @_on_the_tensors_device
 def quant8_narrow(
-    flats: list[torch.Tensor],
-    scale_bytes: list[torch.Tensor],
+    flat: torch.Tensor,
+    codes_out: torch.Tensor,
+    scales: torch.Tensor,
     guide: tuple[torch.Tensor, torch.Tensor],
     sqrt: bool,
     block: int,
     module: ModuleType | None = None,
 ) -> None:
-    """Codes of each fp32 ``flats[k]`` (1-D, at least one block) on the map whose
-    :func:`search_guide` is ``guide`` (on their device) into the first bytes of its own
-    storage, its block scales into ``scale_bytes[k]`` (the uint8 view of their place,
-    right after the codes). ``module``: the kernels (``kernels(device)`` when not given)."""
-    module = module or kernels(flats[0].device)
-    blocks = [_cdiv(t.numel(), block) for t in flats]
-    launch = Launch(flats, _starts(blocks))
-    scales = torch.empty(sum(blocks), dtype=torch.float32, device=launch.base.device)
-    midpoints, slices = guide
-    module.quantize[(launch.tiles,)](
-        launch.base,
-        launch.base.view(torch.uint8),
-        scales,
-        launch.desc,
-        launch.ctl,
-        midpoints,
-        slices,
-        launch.entries,
-        SQRT=sqrt,
-        BLOCK=block,
-        ROWS=_TILE // block,
-        ALIGNED=launch.aligned,
-        GUIDE_SHIFT=GUIDE_SHIFT,
-        GUIDE_FIRST=GUIDE_FIRST,
-        GUIDE_SLICES=GUIDE_SLICES,
-        num_warps=_WARPS,
-    )
-    # Each entry's scales land on its fp32 elements [n / 4, ...): read by the launch.
-    torch._foreach_copy_(scale_bytes, list(scales.view(torch.uint8).split([4 * b for b in blocks])))
+    """Codes of the fp32 ``flat`` on the map whose :func:`search_guide` is ``guide`` (on
+    ``flat``'s device) into ``codes_out`` (the first bytes of its own storage), its block
+    scales into ``scales`` (a separate tensor). ``module``: the kernels
+    (``kernels(flat.device)`` when not given)."""
+    module = module or kernels(flat.device)
+    scratch = torch.empty(min(flat.numel(), SCRATCH_ELEMENTS), dtype=torch.uint8, device=flat.device)
+    for s, e in geometric_chunks(flat.numel(), widen=4):
+        # The first chunk's codes would land on its own unread elements: via the scratch.
+        target = scratch if s == 0 else codes_out[s:e]
+        _quantize(module, flat[s:e], target, scales[s // block :], guide, e - s, sqrt, block)
+        if s == 0:
+            codes_out[:e].copy_(scratch[:e])
 
 
 @torch.no_grad()
 @_on_the_tensors_device
 def quant8_widen(
-    flats: list[torch.Tensor],
-    scale_bytes: list[torch.Tensor],
+    flat: torch.Tensor,
+    codes_in: torch.Tensor,
+    scales: torch.Tensor,
     values: torch.Tensor,
     sqrt: bool,
     block: int,
     module: ModuleType | None = None,
 ) -> None:
-    """fp32 values into each ``flats[k]`` of the codes in its first bytes, on the map
-    ``values`` under the scales in ``scale_bytes[k]`` (as :func:`quant8_narrow` left them)."""
-    module = module or kernels(flats[0].device)
-    blocks = [_cdiv(t.numel(), block) for t in flats]
-    scales = torch.cat(scale_bytes).view(torch.float32)  # out of the way of the values first
-    launch = Launch(flats, _starts(blocks))
-    module.dequantize[(launch.tiles,)](
-        launch.base,
-        launch.base.view(torch.uint8),
-        scales,
-        values,
-        launch.desc,
-        launch.ctl,
-        launch.entries,
-        SQUARE=sqrt,
-        BLOCK=block,
-        ROWS=_TILE // block,
-        ALIGNED=launch.aligned,
-        num_warps=_WARPS,
-    )
-
-
-# ``reference(flat, param, s, e)``: the reference encoder of elements ``[s, e)``, front to
-# back: writes their low bits, returns their exceptions (ascending flat indices, high bits).
-Reference = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+    """fp32 values of ``codes_in`` (the first bytes of ``flat``'s storage) on the map
+    ``values`` under ``scales`` (a separate tensor) into ``flat``, back to front."""
+    module = module or kernels(flat.device)
+    for s, e in reversed(list(geometric_chunks(flat.numel(), widen=4))):
+        # The first chunk's fp32 values land on its own codes: read them out first.
+        source = codes_in[s:e].clone() if s == 0 else codes_in[s:e]
+        _dequantize(module, source, scales[s // block :], values, flat[s:e], e - s, sqrt, block)
 
 
 @torch.no_grad()
 @_on_the_tensors_device
 def remainder_encode(
-    flats: list[torch.Tensor], params: list[torch.Tensor], reference: Reference, module: ModuleType | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Low 16 bits of each fp32 ``flats[k]`` (1-D, not empty) into the first half of its
-    storage, beside its bf16 ``params[k]``; per entry its exceptions (flat indices
-    ascending, true high bits) on the CPU. The launch's one wait on the device is for its
-    exception count; what stood down (past the slots) goes to ``reference``, in order."""
-    module = module or kernels(flats[0].device)
-    sizes = [t.numel() for t in flats]
-    starts = _starts(sizes)
-    launch = Launch(flats, starts, params)
-    device = launch.base.device
-    index = torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device)
-    high = torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device)
-    module.remainder_encode[(launch.tiles,)](
-        launch.base.view(torch.int32),
-        launch.base.view(torch.int16),
-        launch.param_base.view(torch.int16),
-        index,
-        high,
-        launch.desc,
-        launch.ctl,
-        launch.entries,
-        _EXCEPTION_SLOTS,
-        TILE=_TILE,
-        ALIGNED=launch.aligned,
-        num_warps=_WARPS,
-    )
-    used, down = launch.ctl[_USED : _DOWN + 1].tolist()  # the launch's one wait on the device
-    both = torch.cat([index[:used], high[:used].long()]).cpu()  # one copy back, not two
-    found = [(both[:used], both[used:].to(torch.int16))]
-    if down:  # front to back: a stood-down tile's low bits land on earlier elements
-        for k, s, e in _runs((launch.ctl[_HEAD:] == 2).nonzero().view(-1).tolist(), launch, sizes):
-            at, bits = reference(flats[k], params[k], s, e)
-            found.append((at + starts[k], bits))
-    at, bits = torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
-    order = torch.argsort(at)  # a few thousand, usually: cheaper on the host than a device sort
-    at, bits = at[order], bits[order]
-    bounds = torch.searchsorted(at, torch.tensor(starts + [sum(sizes)])).tolist()
-    return [(at[a:b] - s, bits[a:b]) for a, b, s in zip(bounds, bounds[1:], starts, strict=False)]
+    flat: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor, reference, module: ModuleType | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low 16 bits of the fp32 ``flat`` into ``low_out`` (the first half of its storage);
+    returns the exceptions (flat indices ascending, true high bits) on the CPU.
+    ``reference(flat, param, s, e)`` finds the exceptions of elements ``[s, e)`` the slow
+    way, from their still unwritten fp32 values, when they overflow the device's slots.
+
+    One host read per entry, not per chunk: the chunks are launched as one run, each
+    standing down once the earlier ones overflowed the slots (the kernel checks), so the
+    overflowing chunk's fp32 elements, which the next chunk's low bits would land on,
+    are still there for ``reference``; the run then resumes after it. The first chunk's
+    low bits wait in the scratch until that read (their place is its own fp32 bytes)."""
+    module = module or kernels(flat.device)
+    bits, param16 = flat.view(torch.int32), param.view(torch.int16)
+    spans = list(geometric_chunks(flat.numel(), widen=2))
+    if not spans:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
+    scratch = torch.empty(spans[0][1], dtype=torch.int16, device=flat.device)
+    counts, index, high = _exception_slots(flat.device)
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = 0
+    while first < len(spans):
+        run = spans[first : first + _MAX_RUN_CHUNKS]
+        counts.zero_()
+        for chunk, (s, e) in enumerate(run):
+            target = scratch if s == 0 else low_out[s:e]
+            _remainder_encode(module, bits[s:e], param16[s:e], target, counts, chunk, index, high, e - s, s)
+        ran, total = 0, 0
+        for count in counts[: len(run)].tolist():  # the entry's one wait on the device
+            if count < 0 or total + count > _EXCEPTION_SLOTS:
+                break
+            ran, total = ran + 1, total + count
+        if total:
+            found.append(_sorted_on_host(index[:total], high[:total]))
+        if ran < len(run):  # chunk `ran` overflowed (those after it stood down)
+            found.append(reference(flat, param, *run[ran]))
+        if first == 0:  # the first chunk is done either way (found, or by the reference now)
+            low_out[: spans[0][1]].copy_(scratch)
+        first += ran + (ran < len(run))  # past the overflowing chunk, or the whole run
+    if len(found) <= 1:
+        return found[0] if found else (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16))
+    return torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
 
 
 @torch.no_grad()
 @_on_the_tensors_device
 def remainder_decode(
+    flat: torch.Tensor,
+    param: torch.Tensor,
+    low_in: torch.Tensor,
+    index: torch.Tensor,
+    high: torch.Tensor,
+    module: ModuleType | None = None,
+) -> None:
+    """Rebuild the fp32 ``flat`` from its low bits ``low_in`` (the first half of its
+    storage), the bf16 ``param`` and the exceptions, back to front."""
+    module = module or kernels(flat.device)
+    bits, param = flat.view(torch.int32), param.view(torch.int16)
+    for s, e in reversed(list(geometric_chunks(flat.numel(), widen=2))):
+        source = low_in[s:e].clone() if s == 0 else low_in[s:e]
+        _remainder_decode(module, source, param[s:e], bits[s:e], e - s)
+    _put_exceptions(flat, index, high)
+
+
+def _put_exceptions(flat: torch.Tensor, index: torch.Tensor, high: torch.Tensor) -> None:
+    """The exceptions' true high halves into the fp32 ``flat``, in groups whose device
+    copies stay within the conversion scratch (10 bytes each): usually one group."""
+    highs = flat.view(torch.int16).view(-1, 2)[:, 1]
+    group = CHUNK_ELEMENTS // 4
+    for s in range(0, index.numel(), group):
+        highs[_to_device(index[s : s + group], flat.device)] = _to_device(high[s : s + group], flat.device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the CPU) on ``device``. To CUDA through a pinned copy: from pageable memory
+    a copy holds the host until the device has run everything queued before it (an
+    entry's decode), which then idles while the host catches up."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+# ---- small entries, packed ------------------------------------------------------------
+# Each entry of a group is copied into one packed buffer (one torch.cat), converted there
+# out of place by one launch, and copied back (one torch._foreach_copy_, torch's own
+# multi-tensor copy): a handful of operations per group instead of per entry. Its
+# stored bytes are those of the entry converted alone: blocks start at every entry's
+# first element (callers pack only entries of whole 8-bit blocks), low bits are per
+# element. The fp32 values are all read (the cat) before any stored byte is written.
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def quant8_narrow_packed(
+    flats: list[torch.Tensor],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    guide: tuple[torch.Tensor, torch.Tensor],
+    sqrt: bool,
+    block: int,
+    module: ModuleType | None = None,
+) -> None:
+    """:func:`quant8_narrow` of each fp32 ``flats[k]`` (whole blocks, one group of
+    :func:`plan_packed`) into ``stored[k]``: the uint8 views of its codes and its scales'
+    bytes at the start of its storage (``quant8._codes_and_scales``)."""
+    module = module or kernels(flats[0].device)
+    if any(t.numel() % block for t in flats):
+        raise ValueError(f"packed 8-bit entries must be whole {block}-element blocks")
+    x = torch.cat(flats)
+    codes = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.numel() // block, dtype=torch.float32, device=x.device)
+    _quantize(module, x, codes, scales, guide, x.numel(), sqrt, block)
+    sizes = [t.numel() for t in flats]
+    parts = zip(codes.split(sizes), scales.view(torch.uint8).split([4 * n // block for n in sizes]), strict=True)
+    torch._foreach_copy_([v for pair in stored for v in pair], [v for pair in parts for v in pair])
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def quant8_widen_packed(
+    flats: list[torch.Tensor],
+    stored: list[tuple[torch.Tensor, torch.Tensor]],
+    values: torch.Tensor,
+    sqrt: bool,
+    block: int,
+    module: ModuleType | None = None,
+) -> None:
+    """:func:`quant8_widen` of each ``stored[k]`` (as :func:`quant8_narrow_packed` left
+    it) into the fp32 ``flats[k]``."""
+    module = module or kernels(flats[0].device)
+    codes = torch.cat([c for c, _ in stored])
+    scales = torch.cat([b for _, b in stored]).view(torch.float32)
+    x = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+    _dequantize(module, codes, scales, values, x, x.numel(), sqrt, block)
+    torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def remainder_encode_packed(
     flats: list[torch.Tensor],
     params: list[torch.Tensor],
+    lows: list[torch.Tensor],
+    reference,
+    module: ModuleType | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`remainder_encode` of each fp32 ``flats[k]`` (one group of
+    :func:`plan_packed`) into ``lows[k]``; per entry its exceptions on the CPU. One host
+    read for the group; past the slots, ``reference`` finds them in the packed copy."""
+    module = module or kernels(flats[0].device)
+    x, p = torch.cat(flats), torch.cat(params)
+    low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
+    counts, index, high = _exception_slots(x.device)
+    _remainder_encode(module, x.view(torch.int32), p.view(torch.int16), low, counts, 0, index, high, x.numel(), 0)
+    sizes = [t.numel() for t in flats]
+    torch._foreach_copy_(lows, list(low.split(sizes)))
+    del low  # before a fallback's own scratch
+    total = int(counts[0])  # the group's one wait on the device
+    if total > _EXCEPTION_SLOTS:  # the packed copy is intact: the reference finds them there
+        index, high = reference(x, p, 0, x.numel())
+    else:
+        index, high = _sorted_on_host(index[:total], high[:total])
+    starts = _starts(sizes)
+    bounds = torch.searchsorted(index, torch.tensor(starts + [x.numel()])).tolist()
+    return [(index[a:b] - s, high[a:b]) for a, b, s in zip(bounds, bounds[1:], starts, strict=False)]
+
+
+@torch.no_grad()
+@_on_the_tensors_device
+def remainder_decode_packed(
+    flats: list[torch.Tensor],
+    params: list[torch.Tensor],
+    lows: list[torch.Tensor],
     exceptions: list[tuple[torch.Tensor, torch.Tensor]],
     module: ModuleType | None = None,
 ) -> None:
-    """Rebuild each fp32 ``flats[k]`` from its low bits (the first half of its storage,
-    as :func:`remainder_encode` left them), its bf16 ``params[k]`` and its exceptions
-    (``(index, high)``, on the CPU)."""
+    """:func:`remainder_decode` of each ``lows[k]`` (as :func:`remainder_encode_packed`
+    left them, with its exceptions) into the fp32 ``flats[k]``."""
     module = module or kernels(flats[0].device)
-    launch = Launch(flats, [0] * len(flats), params)
-    module.remainder_decode[(launch.tiles,)](
-        launch.base.view(torch.int32),
-        launch.base.view(torch.int16),
-        launch.param_base.view(torch.int16),
-        launch.desc,
-        launch.ctl,
-        launch.entries,
-        TILE=_TILE,
-        ALIGNED=launch.aligned,
-        num_warps=_WARPS,
-    )
-    # Then the exceptions' true high halves: an element's high half is int16 2i + 1 of it.
-    positions = [2 * (launch.offset(t) + index) + 1 for t, (index, _) in zip(flats, exceptions, strict=True)]
-    table = torch.cat(positions), torch.cat([high.long() for _, high in exceptions])
-    for s in range(0, table[0].numel(), _PUT_GROUP):
-        where, high = (part[s : s + _PUT_GROUP] for part in table)
-        module.put_highs[(_cdiv(where.numel(), _TILE),)](
-            launch.base.view(torch.int16),
-            _to_device(torch.cat([where, high]), launch.base.device),
-            where.numel(),
-            TILE=_TILE,
-            num_warps=_WARPS,
-        )
+    low, p = torch.cat(lows), torch.cat(params)
+    x = torch.empty(low.numel(), dtype=torch.float32, device=low.device)
+    _remainder_decode(module, low, p.view(torch.int16), x.view(torch.int32), x.numel())
+    if any(index.numel() for index, _ in exceptions):
+        starts = _starts([t.numel() for t in flats])
+        index = torch.cat([i + s for (i, _), s in zip(exceptions, starts, strict=True)])
+        _put_exceptions(x, index, torch.cat([h for _, h in exceptions]))
+    torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))

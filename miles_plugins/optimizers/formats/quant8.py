@@ -192,15 +192,15 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
         return
     flat = t.view(-1)
     codes_out, scales_out = _codes_and_scales(t)
-    if fused.applies(t):
-        fused.quant8_narrow([flat], [scales_out], _search_guide(signed, t.device), sqrt, BLOCK)
-        return
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
-    for s, e in chunks(flat.numel()):
-        # quantize_chunk reads the whole chunk before its codes are written over it.
-        codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
-        codes_out[s:e].copy_(codes)
-        del codes  # before the next chunk's scratch is allocated
+    if fused.applies(t):
+        fused.quant8_narrow(flat, codes_out, scales, _search_guide(signed, t.device), sqrt, BLOCK)
+    else:
+        for s, e in chunks(flat.numel()):
+            # quantize_chunk reads the whole chunk before its codes are written over it.
+            codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
+            codes_out[s:e].copy_(codes)
+            del codes  # before the next chunk's scratch is allocated
     # Bytes [n, n + 4 * blocks) are fp32 elements [n / 4, ...): all read by now.
     scales_out.copy_(scales.view(torch.uint8))
 
@@ -212,10 +212,10 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
         return
     flat = t.view(-1)
     codes_in, scales_in = _codes_and_scales(t)
-    if fused.applies(t):
-        fused.quant8_widen([flat], [scales_in], _tables(signed, t.device)[0], sqrt, BLOCK)
-        return
     scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
+    if fused.applies(t):
+        fused.quant8_widen(flat, codes_in, scales, _tables(signed, t.device)[0], sqrt, BLOCK)
+        return
     for s, e in chunks(flat.numel(), backwards=True):
         # fp32 chunk [s, e) is bytes [4s, 4e): its own codes (read first) and later
         # chunks' codes (converted already), never an earlier chunk's.
@@ -225,22 +225,27 @@ def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
 
 
 def narrow_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
-    """:func:`narrow_in_place` of every tensor; on CUDA, all in one fused launch."""
-    _each_or_fused(tensors, signed, sqrt, narrow_in_place, fused.quant8_narrow, _search_guide)
+    """:func:`narrow_in_place` of every tensor, the small ones packed a group at a time
+    where the fused kernels serve (``fused.plan_packed``; the same bytes)."""
+    _each_or_packed(tensors, signed, sqrt, narrow_in_place, fused.quant8_narrow_packed, _search_guide)
 
 
 def widen_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
-    """:func:`widen_in_place` of every tensor; on CUDA, all in one fused launch."""
-    _each_or_fused(tensors, signed, sqrt, widen_in_place, fused.quant8_widen, lambda *a: _tables(*a)[0])
+    """:func:`widen_in_place` of every tensor, the small ones packed as :func:`narrow_many`."""
+    _each_or_packed(tensors, signed, sqrt, widen_in_place, fused.quant8_widen_packed, lambda *a: _tables(*a)[0])
 
 
-def _each_or_fused(tensors, signed: bool, sqrt: bool, one, fused_all, table) -> None:
-    """``fused_all`` of the tensors stored in 8 bits, with the map's ``table(signed,
-    device)``, where the fused kernels serve them all; else ``one(t, signed, sqrt)`` each."""
-    quantized = [t for t in tensors if quantizes(t.numel())]
-    if quantized and all(fused.applies(t) for t in quantized):
-        stored = [_codes_and_scales(t)[1] for t in quantized]
-        fused_all([t.view(-1) for t in quantized], stored, table(signed, quantized[0].device), sqrt, BLOCK)
-        return
-    for t in quantized:
-        one(t, signed, sqrt)
+def _each_or_packed(tensors, signed: bool, sqrt: bool, one, packed, table) -> None:
+    """``one(t, signed, sqrt)`` for the tensors ``fused.plan_packed`` leaves alone, and
+    ``packed`` for each of its groups, with the map's ``table(signed, device)``."""
+    singles, groups = fused.plan_packed(tensors, unit=BLOCK)
+    for k in singles:
+        one(tensors[k], signed, sqrt)
+    for group in groups:
+        packed(
+            [tensors[k].view(-1) for k in group],
+            [_codes_and_scales(tensors[k]) for k in group],
+            table(signed, tensors[group[0]].device),
+            sqrt,
+            BLOCK,
+        )

@@ -84,18 +84,11 @@ def _chunk_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -
     return index.cpu() + s, high[index].cpu(), low
 
 
-def _encode_range(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode fp32 elements ``[s, e)`` of ``flat`` in place, a chunk at a time front to
-    back (each chunk read before its low bits are written); returns their exceptions.
-    Every earlier element must already be read (encoded, or ``s`` is 0)."""
-    out = stored_view(flat, STORAGE_DTYPE)
-    indices, highs = [torch.empty(0, dtype=torch.int64)], [torch.empty(0, dtype=STORAGE_DTYPE)]
-    for a, b in chunks(e - s):
-        index, high, low = _chunk_exceptions(flat, param, s + a, s + b)
-        out[s + a : s + b].copy_(low)
-        indices.append(index)
-        highs.append(high)
-    return torch.cat(indices), torch.cat(highs)
+def _exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_exceptions` of elements ``[s, e)``, a conversion chunk at a time (the
+    fused encoder's fallback: its chunks may be far longer than the conversion scratch)."""
+    found = [_chunk_exceptions(flat, param, s + a, s + b)[:2] for a, b in chunks(e - s)]
+    return torch.cat([index for index, _ in found]), torch.cat([high for _, high in found])
 
 
 @torch.no_grad()
@@ -103,10 +96,19 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     """Rewrite the fp32 ``main`` as its low 16 bits, in the first half of its bytes
     (front to back); return what :func:`decode_in_place` needs beside ``param``.
     ``main``'s fp32 values are gone afterwards."""
-    flat, param = main.view(-1), param.view(-1)
-    if fused.applies(main) and main.numel():
-        return Exceptions.of(*fused.remainder_encode([flat], [param], _encode_range)[0])
-    return Exceptions.of(*_encode_range(flat, param, 0, flat.numel()))
+    flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
+    if fused.applies(main):
+        return Exceptions.of(*fused.remainder_encode(flat, param, out, reference=_exceptions))
+    indices, highs = [], []
+    for s, e in chunks(main.numel()):
+        index, high, low = _chunk_exceptions(flat, param, s, e)  # the chunk read before writing over it
+        if index.numel():
+            indices.append(index)
+            highs.append(high)
+        out[s:e].copy_(low)
+    if not indices:
+        return Exceptions.none()
+    return Exceptions(torch.cat(indices), torch.cat(highs))
 
 
 @torch.no_grad()
@@ -115,8 +117,8 @@ def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Excepti
     :func:`encode_in_place` left them); rebuild the fp32 main (back to front)
     from them, the unchanged bf16 ``param`` and the exceptions."""
     flat, param, stored = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
-    if fused.applies(main) and main.numel():
-        fused.remainder_decode([flat], [param], [(exceptions.index, exceptions.high)])
+    if fused.applies(main):
+        fused.remainder_decode(flat, param, stored, exceptions.index, exceptions.high)
         return
     for s, e in chunks(main.numel(), backwards=True):
         low = stored[s:e].clone()  # read the chunk before writing over it
@@ -130,29 +132,33 @@ def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Excepti
 
 
 def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[Exceptions]:
-    """:func:`encode_in_place` of every main (beside its param); on CUDA, all in one
-    fused launch."""
+    """:func:`encode_in_place` of every main (beside its param), the small ones packed a
+    group at a time where the fused kernels serve (``fused.plan_packed``)."""
     found = [Exceptions.none()] * len(mains)
-    some = [k for k, main in enumerate(mains) if main.numel()]
-    if some and all(fused.applies(mains[k]) for k in some):
-        pairs = fused.remainder_encode(
-            [mains[k].view(-1) for k in some], [params[k].view(-1) for k in some], _encode_range
+    singles, groups = fused.plan_packed(mains)
+    for k in singles:
+        found[k] = encode_in_place(mains[k], params[k])
+    for group in groups:
+        pairs = fused.remainder_encode_packed(
+            [mains[k].view(-1) for k in group],
+            [params[k].view(-1) for k in group],
+            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
+            reference=_exceptions,
         )
-        for k, pair in zip(some, pairs, strict=True):
+        for k, pair in zip(group, pairs, strict=True):
             found[k] = Exceptions.of(*pair)
-        return found
-    return [encode_in_place(main, param) for main, param in zip(mains, params, strict=True)]
+    return found
 
 
 def decode_many(mains: list[torch.Tensor], params: list[torch.Tensor], exceptions: list[Exceptions]) -> None:
-    """:func:`decode_in_place` of every main; on CUDA, all in one fused launch."""
-    some = [k for k, main in enumerate(mains) if main.numel()]
-    if some and all(fused.applies(mains[k]) for k in some):
-        fused.remainder_decode(
-            [mains[k].view(-1) for k in some],
-            [params[k].view(-1) for k in some],
-            [(exceptions[k].index, exceptions[k].high) for k in some],
+    """:func:`decode_in_place` of every main, the small ones packed as :func:`encode_many`."""
+    singles, groups = fused.plan_packed(mains)
+    for k in singles:
+        decode_in_place(mains[k], params[k], exceptions[k])
+    for group in groups:
+        fused.remainder_decode_packed(
+            [mains[k].view(-1) for k in group],
+            [params[k].view(-1) for k in group],
+            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
+            [(exceptions[k].index, exceptions[k].high) for k in group],
         )
-        return
-    for main, param, found in zip(mains, params, exceptions, strict=True):
-        decode_in_place(main, param, found)

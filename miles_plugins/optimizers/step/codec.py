@@ -12,7 +12,7 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
 The stored bytes always live in the first bytes of the fp32 tensor's own
 storage: a read fills them there and :meth:`Codec.decode` widens them in place;
 :meth:`Codec.encode` narrows in place before a write, a bucket's entries at once
-(on CUDA, one fused launch per kind of conversion: see ``formats/fused.py``). No
+(on CUDA, small entries are converted packed: see ``fused.plan_packed``). No
 full-size temporary.
 
 The codec owns the remainder exceptions, which are state: they travel with
@@ -73,9 +73,7 @@ class Codec:
         """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
         forms, in place (their fp32 values are gone afterwards). Each param must
         already hold its updated main rounded to bf16 (remainder mains)."""
-        # The remainder mains last: their encoder waits on the device for its exception
-        # count, and the moments' launches, queued first, run meanwhile.
-        for kind, group in sorted(self._by_conversion(items), key=lambda pair: pair[0] == "remainder"):
+        for kind, group in self._by_conversion(items):
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
                 found = remainder.encode_many(tensors, [param for *_, param in group])
