@@ -73,7 +73,9 @@ class Codec:
         """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
         forms, in place (their fp32 values are gone afterwards). Each param must
         already hold its updated main rounded to bf16 (remainder mains)."""
-        for kind, group in self._by_conversion(items):
+        # The remainder mains last: their encoder waits on the device for its exception
+        # counts, and the moments' conversions, queued first, run meanwhile.
+        for kind, group in sorted(self._by_conversion(items), key=lambda pair: pair[0] == "remainder"):
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
                 found = remainder.encode_many(tensors, [param for *_, param in group])
