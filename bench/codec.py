@@ -18,7 +18,13 @@ self-test compare every byte, edge cases included).
 The buckets reuse one set of buffers; per formulation, after a warm-up,
 ``--samples`` sweeps (3) from the same values, the median's times reported
 (within one call of 2026-12-02, one sample's time moved by up to 40% between
-runs).
+runs, and the host's speed by up to 80% between processes). So beside the wall
+times it reports each formulation's device time (torch's profiler over one more
+sweep, less the bench's own preparation of the bf16 params), which the host's
+speed does not enter: 117.8 and 117.7 ms for the fused path in two processes of
+one call whose wall times were 0.288 and 0.301 s (the fused total relative to
+the reference's of its own process moved from 0.107 to 0.146: the reference is
+the more host-bound, so that ratio does not cancel the drift).
 Results before 2026-12-02 synchronized after every entry instead; before the
 third call of that day they called ``remainder.encode_many`` and
 ``quant8.narrow_many`` directly, as ``Codec`` does.
@@ -32,6 +38,7 @@ device-to-device copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -66,10 +73,11 @@ def copy_bandwidth(numel: int) -> float:
     return 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
 
 
-def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor) -> dict:
+def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor, convert: bool = True) -> dict:
     """Encode then decode every entry's main and moments through the store's codec
     (``Codec.encode`` / ``decode``), bucket by bucket as the store's walk does (its
-    buckets' entries, one host wait per bucket and direction); seconds per direction."""
+    buckets' entries, one host wait per bucket and direction); seconds per direction.
+    Without ``convert``, only the bench's own preparation (each bucket's bf16 params)."""
     timings = {"encode": 0.0, "decode": 0.0}
     stored = []
     buckets = layout_store(
@@ -88,6 +96,8 @@ def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Ten
         for segment, _, main, p in items:
             if segment.name == "main":
                 p.copy_(main)  # the bf16 param is the main rounded, as after a step
+        if not convert:
+            continue
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         codec.encode(bucket, items)
@@ -103,6 +113,17 @@ def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Ten
         timings["encode"] += t1 - t0
         timings["decode"] += t2 - t1_decode
     return {**timings, "stored": stored, "exceptions": codec.export()}
+
+
+def device_seconds(run) -> float:
+    """Seconds the device spent running kernels and copies during ``run()`` (torch's
+    profiler; one stream, so nothing counted twice). Unlike wall time, the host's
+    speed does not enter it: within one call the host drifted by up to 80%."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / 1e6
 
 
 def main() -> None:
@@ -156,15 +177,23 @@ def main() -> None:
             samples.append({"encode": result["encode"], "decode": result["decode"]})
         result = sorted(samples, key=lambda r: r["encode"] + r["decode"])[(len(samples) - 1) // 2]
         total = result["encode"] + result["decode"]
+        # One more sweep under the profiler, less one of the bench's own preparation alone.
+        busy = [
+            device_seconds(functools.partial(sweep, entries, {k: t.clone() for k, t in base.items()}, param, convert))
+            for convert in (True, False)
+        ]
         report[name] = {
             **{k: round(s, 4) for k, s in result.items()},
             "total_s": round(total, 4),
             "x_bound": round(total / bound, 2),
             "samples_total_s": [round(r["encode"] + r["decode"], 4) for r in samples],
+            "device_busy_s": round(busy[0] - busy[1], 4),
+            "device_x_bound": round((busy[0] - busy[1]) / bound, 2),
         }
         print(
             f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s,"
-            f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms)",
+            f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms); the device busy"
+            f" {(busy[0] - busy[1]) * 1e3:.1f} ms of it, {(busy[0] - busy[1]) / bound:.1f}x",
             flush=True,
         )
     (reference_bytes, reference_exceptions), (fused_bytes, fused_exceptions) = stored["reference"], stored["fused"]

@@ -28,3 +28,19 @@ def test_the_sweep_round_trips_through_the_codec_and_keeps_what_the_bench_compar
     assert nbytes == [2 * largest, quant8.stored_nbytes(largest), quant8.stored_nbytes(largest)]
     (bucket,) = result["exceptions"]
     assert len(bucket) == len(entries) and sum(len(index) for index, _ in bucket) >= size // 50
+
+
+def test_the_preparation_only_sweep_converts_nothing(monkeypatch):
+    """``convert=False`` is what the bench subtracts from a profiled sweep's device time:
+    the params rounded from the mains as in a full sweep, and no byte of the state touched."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    entries = codec.gpt_entries(1, 64, vocab=256, seq=128)
+    size = sum(entries)
+    g = torch.Generator().manual_seed(1)
+    buffers = {name: torch.randn(size, generator=g) for name in ("main", "exp_avg", "exp_avg_sq")}
+    before = {name: t.clone() for name, t in buffers.items()}
+    param = torch.zeros(size, dtype=torch.bfloat16)
+    result = codec.sweep(entries, buffers, param, convert=False)
+    assert result["encode"] == result["decode"] == 0.0 and result["stored"] == []
+    assert all(torch.equal(buffers[n].view(torch.int32), before[n].view(torch.int32)) for n in buffers)
+    assert torch.equal(param, before["main"].bfloat16())  # one bucket: every entry's param prepared
