@@ -420,3 +420,50 @@ def test_a_window_the_store_cannot_keep_is_refused(tmp_path, config, message):
     config = {"overlap_bytes": 1 << 20, **config}
     with pytest.raises(StreamConfigError, match=message):
         StreamConfig(directory=str(tmp_path), **config)
+
+
+def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twice(tmp_path, monkeypatch):
+    """A Ctrl-C between ``land()`` recording a deferred write's ticket and clearing what it
+    held (raised there, standing in for a signal's arrival): the next ``land()`` must not
+    submit those bytes again, which would replace the ticket of a write still running,
+    so that the bucket's memory could be released (and reused) under it. Each bucket is
+    written once, and training stays byte-identical to the run without a window."""
+    from miles_plugins.optimizers.homes.engines import PipelinedEngine
+    from miles_plugins.optimizers.step.pipeline import Flight
+
+    plain = fresh(tmp_path / "plain", "rank0")
+    _train(*plain, range(STEPS))
+    model, optimizer, scheduler, streamed = fresh(tmp_path / "window", "rank0", overlap_bytes=1 << 40)
+    _train(model, optimizer, scheduler, streamed, range(2))
+    pipeline = streamed.store._pipeline
+    assert pipeline.landing and all(f.held is not None for f in pipeline.landing)
+
+    written: list[int] = []
+    write = PipelinedEngine.write
+
+    def counting(self, handle, transfers, ready=None, beside_training=False):
+        if beside_training:
+            written.append(id(handle))  # one handle per bucket in flight
+        return write(self, handle, transfers, ready, beside_training)
+
+    interrupted: list[Flight] = []
+    setattr_ = Flight.__setattr__
+
+    def interrupt_once(self, name, value):
+        if name == "held" and value is None and self.writes is not None and not interrupted:
+            interrupted.append(self)
+            raise KeyboardInterrupt
+        setattr_(self, name, value)
+
+    monkeypatch.setattr(PipelinedEngine, "write", counting)
+    monkeypatch.setattr(Flight, "__setattr__", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        streamed.progress()
+    assert interrupted, "the interrupt must come between the ticket and the clearing"
+    _progress_until(streamed, lambda: not pipeline.landing)
+    monkeypatch.undo()
+    assert len(written) == len(set(written)) == len(streamed.store.buckets), written
+    _train(model, optimizer, scheduler, streamed, range(2, STEPS))
+    assert_same_training(state_of(*plain[::3]), state_of(model, streamed))
+    plain[3].close()
+    streamed.close()

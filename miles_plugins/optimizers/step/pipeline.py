@@ -260,10 +260,12 @@ class Pipeline:
 
         try:
             for flight in self.landing:
-                if flight.held is not None:
-                    # ``held`` is cleared only once submitted: an interrupt before leaves it to submit again.
+                # ``held`` is cleared only once submitted: an interrupt before leaves it to
+                # submit again. One after the ticket is recorded leaves both; the ticket is then
+                # the write, and submitting again would lose a running write's ticket.
+                if flight.held is not None and flight.writes is None:
                     flight.writes = self.engine.write(flight.handle, *flight.held, beside_training=True)
-                    flight.held = None
+                flight.held = None
             while self.landing and wanted(self.landing[0]):
                 self._retire_oldest(self.landing)
         except Exception as exc:
