@@ -262,10 +262,11 @@ class Pipeline:
             for flight in self.landing:
                 # ``held`` is cleared only once submitted: an interrupt before leaves it to
                 # submit again. One after the ticket is recorded leaves both; the ticket is then
-                # the write, and submitting again would lose a running write's ticket.
+                # the write (what is held is never read again), and submitting again would lose
+                # a running write's ticket.
                 if flight.held is not None and flight.writes is None:
                     flight.writes = self.engine.write(flight.handle, *flight.held, beside_training=True)
-                flight.held = None
+                    flight.held = None
             while self.landing and wanted(self.landing[0]):
                 self._retire_oldest(self.landing)
         except Exception as exc:
