@@ -10,11 +10,15 @@ the store's buckets (64M elements, a param never split) and converted bucket by
 bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
 small entries packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
 synchronization per bucket and direction (the remainder encoder waits once per
-entry or packed group besides). Wall time, once with the reference torch formulations
-(``quant8.py``, ``remainder.py``) and once with the fused Triton kernels
-(``fused.py``), in one process; the stored bytes of the largest entry, and every
-entry's remainder exceptions, are compared (the GPU tier and the kernels'
-self-test compare every byte, edge cases included).
+entry or packed group besides). Wall time of three formulations in one process: the
+reference torch formulations (``quant8.py``, ``remainder.py``), the fused Triton
+kernels (``fused.py``) launched eagerly, and the fused kernels through the codec's
+CUDA graphs (``step/graphs.py``: a bucket's conversions captured once its tensors'
+addresses repeat, then replayed; the remainder encoder and the exceptions stay
+eager), timed after a sweep that captures them (reported as ``capture_sweep_s``,
+with the graphs' count and their pool's bytes). The stored bytes of the largest
+entry, and every entry's remainder exceptions, are compared with the reference's
+(the GPU tier and the kernels' self-test compare every byte, edge cases included).
 The buckets reuse one set of buffers; per formulation, after a warm-up,
 ``--samples`` sweeps (3) from the same values, the median's times reported
 (within one call of 2026-12-02, one sample's time moved by up to 40% between
@@ -48,6 +52,7 @@ import torch
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
 from miles_plugins.optimizers.formats import fused
 from miles_plugins.optimizers.formats.layout import layout_store, plan_buckets
+from miles_plugins.optimizers.step import graphs
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 
 BYTES_PER_PARAM = 36
@@ -73,17 +78,29 @@ def copy_bandwidth(numel: int) -> float:
     return 10 * 2 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
 
 
-def sweep(entries: list[int], buffers: dict[str, torch.Tensor], param: torch.Tensor, convert: bool = True) -> dict:
-    """Encode then decode every entry's main and moments through the store's codec
-    (``Codec.encode`` / ``decode``), bucket by bucket as the store's walk does (its
-    buckets' entries, one host wait per bucket and direction); seconds per direction.
-    Without ``convert``, only the bench's own preparation (each bucket's bf16 params)."""
-    timings = {"encode": 0.0, "decode": 0.0}
-    stored = []
-    buckets = layout_store(
+def layout(entries: list[int]) -> list:
+    """The store's buckets of ``entries`` (remainder mains, 8-bit moments)."""
+    return layout_store(
         [(i, n, 0, False) for i, n in enumerate(entries)], DEFAULT_BUCKET_CAP_ELEMENTS, torch.uint8, torch.int16, True
     )
-    codec = Codec(buckets)
+
+
+def sweep(
+    entries: list[int],
+    buffers: dict[str, torch.Tensor],
+    param: torch.Tensor,
+    convert: bool = True,
+    codec: Codec | None = None,
+) -> dict:
+    """Encode then decode every entry's main and moments through the store's codec
+    (``Codec.encode`` / ``decode``; ``codec``, whose CUDA graphs outlive the sweep, or a
+    new one), bucket by bucket as the store's walk does (its buckets' entries, one host
+    wait per bucket and direction); seconds per direction. Without ``convert``, only
+    the bench's own preparation (each bucket's bf16 params)."""
+    timings = {"encode": 0.0, "decode": 0.0}
+    stored = []
+    buckets = layout(entries)
+    codec = codec or Codec(buckets)
     for bucket in buckets:
         offsets = [0]
         for n in bucket.numels:
@@ -165,20 +182,43 @@ def main() -> None:
     bound = sum(entries) * BYTES_PER_PARAM / bandwidth
     report["bound_s"] = round(bound, 4)
     stored = {}
-    for name, on in (("reference", False), ("fused", True)):
-        fused.enabled = on
+    buffers = {k: torch.empty_like(t) for k, t in base.items()}  # at the same addresses every sweep
+
+    def from_the_values(**kwargs) -> dict:
+        for k, t in base.items():
+            buffers[k].copy_(t)
+        return sweep(entries, buffers, param, **kwargs)
+
+    # The fused kernels eagerly, then through the codec's CUDA graphs: a bucket is captured
+    # the second time its tensors are at the same addresses, as in the store's steps.
+    for name, on, graphed in (("reference", False, False), ("fused", True, False), ("fused_graphs", True, True)):
+        fused.enabled, graphs.enabled = on, graphed
         param = torch.empty(largest, dtype=torch.bfloat16, device="cuda")
         sweep(entries[:4], {k: t.clone() for k, t in base.items()}, param)  # compile and warm the caches
+        codec = Codec(layout(entries))
+        extra = {}
+        if graphed:
+            from_the_values(codec=codec)  # first sight of each bucket's addresses: eager
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved()
+            capturing = from_the_values(codec=codec)
+            torch.cuda.empty_cache()
+            extra = {
+                "capture_sweep_s": round(capturing["encode"] + capturing["decode"], 4),
+                "graphs": codec.graphs.captures,
+                "graph_pool_bytes": torch.cuda.memory_reserved() - reserved,
+            }
         samples = []
         for _ in range(args.samples):  # each from the same values
-            result = sweep(entries, {k: t.clone() for k, t in base.items()}, param)
+            result = from_the_values(codec=codec)
             stored.setdefault(name, (result.pop("stored"), result.pop("exceptions")))
             samples.append({"encode": result["encode"], "decode": result["decode"]})
         result = sorted(samples, key=lambda r: r["encode"] + r["decode"])[(len(samples) - 1) // 2]
         total = result["encode"] + result["decode"]
         # One more sweep under the profiler, less one of the bench's own preparation alone.
         converting, preparing = (
-            device_seconds(functools.partial(sweep, entries, {k: t.clone() for k, t in base.items()}, param, convert))
+            device_seconds(functools.partial(from_the_values, convert=convert, codec=codec))
             for convert in (True, False)
         )
         device = converting - preparing
@@ -189,16 +229,26 @@ def main() -> None:
             "samples_total_s": [round(r["encode"] + r["decode"], 4) for r in samples],
             "device_busy_s": round(device, 4),
             "device_x_bound": round(device / bound, 2),
+            **extra,
         }
+        if graphed:
+            report[name]["graph_replays"] = codec.graphs.replays
+            if codec.graphs.captures != 2 * len(codec.exceptions):
+                print(f"{name}: {codec.graphs.captures} graphs for {len(codec.exceptions)} buckets: partly eager")
+            codec.graphs.release()
         print(
             f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s,"
             f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms); the device busy"
-            f" {device * 1e3:.1f} ms of it, {device / bound:.1f}x",
+            f" {device * 1e3:.1f} ms of it, {device / bound:.1f}x {extra}",
             flush=True,
         )
-    (reference_bytes, reference_exceptions), (fused_bytes, fused_exceptions) = stored["reference"], stored["fused"]
-    report["same_stored_bytes"] = all(torch.equal(a, b) for a, b in zip(reference_bytes, fused_bytes, strict=True))
-    report["same_exceptions"] = reference_exceptions == fused_exceptions  # every entry's remainder exceptions
+    reference_bytes, reference_exceptions = stored["reference"]
+    for name in ("fused", "fused_graphs"):
+        got_bytes, got_exceptions = stored[name]
+        report[name]["same_stored_bytes"] = all(
+            torch.equal(a, b) for a, b in zip(reference_bytes, got_bytes, strict=True)
+        )
+        report[name]["same_exceptions"] = reference_exceptions == got_exceptions  # every entry's remainder exceptions
     report["device"] = torch.cuda.get_device_name()
     print(json.dumps(report, indent=1))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -244,7 +244,9 @@ class StreamingStore:
         ``buckets_in_flight`` largest buckets, Adam's temporary and the grads
         ``grad_fn`` makes for one bucket, and the conversion scratch (see the
         constants above); with an overlap window, the window's buckets too
-        (:attr:`overlap_bytes_bound`: the step ends holding them)."""
+        (:attr:`overlap_bytes_bound`: the step ends holding them). On CUDA the codec's
+        graphs keep about one bucket's conversion scratch reserved between steps, in a
+        pool of their own (``step/graphs.py``), which this does not count again."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
         scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
@@ -437,7 +439,10 @@ class StreamingStore:
         pinned; only those placed on the device at setup, which have none, go to
         pinned host memory), and the budget fills the home again when it is restored."""
         self._settle()
+        self._pipeline.codec.graphs.release()
         self._gpu_home.offload(self, self.auto_gpu)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()  # the graphs' pool too (the home may have had nothing to move)
 
     def restore_device_home(self) -> None:
         """Bring what :meth:`offload_device_home` moved back into device memory (with an
@@ -484,6 +489,8 @@ class StreamingStore:
 
     def _shut_down(self) -> None:
         self._closed = True
+        if self._pipeline is not None:
+            self._pipeline.codec.graphs.release()
         hung = self._pipeline is not None and self._pipeline.hung
         if self._engine is not None:
             self._engine.close(wait=not hung)

@@ -140,6 +140,172 @@ def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes(
     for cpu, gpu, a, b in zip(cpus, gpus, cpu_found, gpu_found, strict=True):
         assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
         assert torch.equal(cpu.view(torch.int16)[: cpu.numel()], gpu.view(torch.int16)[: gpu.numel()].cpu())
-    remainder.decode_many(gpus, [p.cuda() for p in params], gpu_found)
+    remainder.widen_many(gpus, [p.cuda() for p in params])
+    for gpu, exceptions in zip(gpus, gpu_found, strict=True):
+        remainder.put_exceptions(gpu, exceptions)
     for main, gpu in zip(mains, gpus, strict=True):
         assert torch.equal(main.view(torch.int32), gpu.cpu().view(torch.int32))
+
+
+def test_the_codecs_cuda_graphs_store_and_restore_the_cpu_references_bytes(monkeypatch):
+    """``Codec`` as the store calls it, step after step, other values every step: eager
+    the first time a bucket's tensors are at their addresses, captured the second,
+    replayed after; eager again when they move, captured again once the new ones
+    repeat. Every round's stored bytes and exceptions are the CPU reference's for that
+    round's values, and decode gives the reference's fp32 values (the mains' every bit)."""
+    from miles_plugins.optimizers.formats.layout import layout_store
+    from miles_plugins.optimizers.step import graphs
+    from miles_plugins.optimizers.step.codec import Codec, stored_bytes
+
+    monkeypatch.setattr(graphs, "enabled", True)
+    hidden = 512
+    entries = [hidden, 3 * hidden * hidden, 3 * hidden, fused.SCRATCH_ELEMENTS + 4 * hidden + 9, 300, hidden, hidden]
+    buckets = layout_store([(i, n, 0, False) for i, n in enumerate(entries)], 1 << 22, torch.uint8, torch.int16, True)
+    assert len(buckets) >= 2
+    main, _ = _mains(sum(entries))
+    base = {"main": main, **_moments(sum(entries))}
+
+    def items_of(bucket, state, params):
+        starts = [sum(entries[:i]) for i in bucket.entry_indices]
+        return [
+            (bucket.segments[name], k, state[name][s : s + n], params[s : s + n])
+            for k, (s, n) in enumerate(zip(starts, bucket.numels, strict=True))
+            for name in ("main", "exp_avg", "exp_avg_sq")
+        ]
+
+    def reference(values, param):
+        """The CPU codec's stored bytes and exceptions per bucket, and the values decoded."""
+        state, cpu_codec, stored = {k: v.clone() for k, v in values.items()}, Codec(buckets), []
+        for bucket in buckets:
+            items = items_of(bucket, state, param)
+            cpu_codec.encode(bucket, items)
+            stored.append([stored_bytes(t, segment).clone() for segment, _, t, _ in items])
+            cpu_codec.decode(bucket, items)
+        return stored, cpu_codec.exceptions, state
+
+    codec = Codec(buckets)
+    first = {k: torch.empty_like(v, device="cuda") for k, v in base.items()}
+    moved = {k: torch.empty_like(v, device="cuda") for k, v in base.items()}
+    gpu_param = torch.empty(main.numel(), dtype=torch.bfloat16, device="cuda")
+    rounds = [first, first, first, moved, moved, first]
+    captures = [0, 2, 2, 2, 4, 4]  # per bucket: the decode's graph and the encode's
+    for shift, (state, captured) in enumerate(zip(rounds, captures, strict=True)):
+        values = {k: v.roll(1000 * shift) for k, v in base.items()}
+        param = values["main"].bfloat16()
+        expected, exceptions, decoded = reference(values, param)
+        for k in state:
+            state[k].copy_(values[k])
+        gpu_param.copy_(param)
+        for bucket, stored in zip(buckets, expected, strict=True):
+            items = items_of(bucket, state, gpu_param)
+            codec.encode(bucket, items)
+            for (segment, k, t, _), want in zip(items, stored, strict=True):
+                got = stored_bytes(t, segment).cpu()
+                if segment.blockwise and quant8.quantizes(t.numel()):  # a NaN block's scale: any NaN
+                    n = t.numel()
+                    a, b = want[n:].clone().view(torch.float32), got[n:].clone().view(torch.float32)
+                    assert torch.equal(want[:n], got[:n]) and torch.equal(a.isnan(), b.isnan())
+                    assert torch.equal(a[~a.isnan()], b[~b.isnan()])
+                else:
+                    assert torch.equal(want, got), (shift, bucket.index, segment.name, k)
+            for k, (a, b) in enumerate(zip(exceptions[bucket.index], codec.exceptions[bucket.index], strict=True)):
+                assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high), (shift, bucket.index, k)
+            codec.decode(bucket, items)
+        assert codec.graphs.captures == captured * len(buckets)
+        assert torch.equal(state["main"].cpu().view(torch.int32), values["main"].view(torch.int32))  # every bit
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = decoded[name], state[name].cpu()
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), (shift, name)
+        assert sum(len(e) for bucket in codec.exceptions for e in bucket) > 100
+    assert codec.graphs.replays == 6 * len(buckets)  # rounds 2, 3 and 5, both directions
+    codec.graphs.release()
+
+
+def test_a_capture_that_fails_converts_eagerly_and_leaves_the_allocator_usable(monkeypatch, caplog):
+    """A conversion that reads on the host cannot be captured: it then runs eagerly, once,
+    the graphs turn off, and the caching allocator is out of its capture mode (its
+    ``empty_cache`` asserts otherwise, and frees recorded blocks only after captures)."""
+    from miles_plugins.optimizers.step import graphs
+
+    monkeypatch.setattr(graphs, "enabled", True)
+    cache = graphs.BucketGraphs()
+    x = torch.randn(1 << 20, device="cuda")
+    start, reads = x.clone(), []
+
+    def convert():
+        x.mul_(2)
+        reads.append(float(x[0]))  # a host read: refused while the stream is capturing
+
+    cache.run(("encode", 0), "key", x.device, convert)  # eager
+    x.copy_(start)
+    with caplog.at_level("WARNING", logger=graphs.__name__):
+        cache.run(("encode", 0), "key", x.device, convert)  # the capture fails: eagerly instead
+    assert torch.equal(x, start * 2)  # converted once: the capture ran nothing
+    assert len(reads) == 2 and not graphs.enabled and "a capture failed" in caplog.text
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.empty_cache()
+    y = torch.ones(1 << 24, device="cuda")
+    assert float(y.sum()) == 1 << 24
+
+
+def test_a_stores_steps_replay_graphs_and_give_the_eager_steps_bytes(monkeypatch, tmp_path):
+    """The store's own walk (the gpu home, remainder mains and 8-bit moments): its
+    buckets' tensors come back to their addresses from step to step, so the graphs
+    replay, and every step's params are those of the same steps run eagerly."""
+    from miles_plugins.optimizers.config import StreamConfig
+    from miles_plugins.optimizers.step import graphs
+    from miles_plugins.optimizers.step.adam import backend_for
+    from miles_plugins.optimizers.step.entries import Entry
+    from miles_plugins.optimizers.store import StreamingStore
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    shapes = [(2048, 2048), (2048,), (4096, 2048), (300,), (2048, 4096), (2048,)] * 3
+    start = [torch.randn(s, device="cuda", generator=g).bfloat16() for s in shapes]
+    grads = [[torch.randn(s, device="cuda", generator=g) * 1e-2 for s in shapes] for _ in range(6)]
+
+    def run(graphed: bool) -> tuple[list[list[torch.Tensor]], StreamingStore]:
+        monkeypatch.setattr(graphs, "enabled", graphed)
+        params = [p.clone() for p in start]
+        entries = []
+        for p in params:
+            main = torch.empty(p.shape, dtype=torch.float32, device="cuda")
+            main.untyped_storage().resize_(0)
+            entries.append(Entry(param=p, main=main, group_index=0))
+        index = {id(e.main): k for k, e in enumerate(entries)}
+        step = [0]
+        master = torch.optim.AdamW([e.main for e in entries], lr=1e-3)
+        config = StreamConfig(
+            directory=str(tmp_path),
+            name=f"graphs-{graphed}",
+            bucket_cap_elements=1 << 23,
+            gpu_budget_bytes=1 << 34,
+            main_storage="remainder",
+            moment_dtype="8bit",
+        )
+        store = StreamingStore(
+            entries,
+            backend_for(master),
+            config,
+            grad_fn=lambda e: grads[step[0]][index[id(e.main)]],
+            copy_to_model=lambda e: e.param.copy_(e.main),
+            init_main=lambda p, m: m.copy_(p),
+        )
+        history = []
+        with torch.no_grad():
+            for step[0] in range(len(grads)):
+                store.step()
+                history.append([p.clone() for p in params])
+        return history, store
+
+    eager, eager_store = run(False)
+    replayed, store = run(True)
+    try:
+        codec = store._pipeline.codec
+        assert eager_store._pipeline.codec.graphs.replays == 0
+        assert codec.graphs.captures == 2 * len(store.buckets)  # each bucket's, once
+        assert codec.graphs.replays >= 2 * len(store.buckets) * (len(grads) - 2)
+        for k, (a, b) in enumerate(zip(eager, replayed, strict=True)):
+            assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)), k
+    finally:
+        store.close()
+        eager_store.close()

@@ -82,7 +82,8 @@ def _check_remainder(numel: int) -> None:
     assert len(exceptions) >= numel // 97
     assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
     assert torch.equal(reference.view(torch.int16)[:numel], kernel.view(torch.int16)[:numel])
-    fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
+    fused.remainder_widen(kernel.view(-1), param.view(-1), low)
+    fused.put_exceptions(kernel.view(-1), index, high)
     assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
 
 
@@ -104,7 +105,8 @@ def _check_exception_overflow() -> None:
         assert len(index) == expected
         assert torch.equal(index, exceptions.index) and torch.equal(high, exceptions.high)
         assert torch.equal(reference.view(torch.int16)[: main.numel()], kernel.view(torch.int16)[: main.numel()])
-        fused.remainder_decode(kernel.view(-1), param.view(-1), low, index, high)
+        fused.remainder_widen(kernel.view(-1), param.view(-1), low)
+        fused.put_exceptions(kernel.view(-1), index, high)
         assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
 
 
@@ -167,7 +169,9 @@ def _check_packed() -> None:
         for r, low, e, (index, high) in zip(references, lows, expected, found, strict=True):
             assert torch.equal(remainder.stored_view(r, torch.int16), low)
             assert torch.equal(e.index, index) and torch.equal(e.high, high)
-        fused.remainder_decode_packed(kernels, params, lows, found)
+        fused.remainder_widen_packed(kernels, params, lows)
+        for k, (index, high) in zip(kernels, found, strict=True):
+            fused.put_exceptions(k, index, high)
         for main, k in zip(mains, kernels, strict=True):
             assert torch.equal(main.view(torch.int32), k.view(torch.int32))
     fused._EXCEPTION_SLOTS = 1 << 16
@@ -205,7 +209,9 @@ def _check_buckets_entries_together() -> None:
         for e, g, a, b in zip(expected_mains, got, expected_exceptions, found, strict=True):
             assert torch.equal(remainder.stored_view(e, torch.int16), remainder.stored_view(g, torch.int16))
             assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
-        remainder.decode_many(got, params, found)
+        remainder.widen_many(got, params)
+        for g, exceptions in zip(got, found, strict=True):
+            remainder.put_exceptions(g, exceptions)
         for main, g in zip(mains, got, strict=True):
             assert torch.equal(main.view(torch.int32), g.view(torch.int32))
     finally:

@@ -157,7 +157,8 @@ def _self_test(module: ModuleType, device: torch.device) -> None:
         _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
         found = torch.cat([index, high.long()])
         _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
-        remainder_decode(t.view(-1), p.view(-1), low, index, high, module)
+        remainder_widen(t.view(-1), p.view(-1), low, module)
+        put_exceptions(t.view(-1), index, high)
         _same("remainder mains", main.view(torch.int32), t.cpu().view(torch.int32))  # every bit, NaN's too
 
 
@@ -431,27 +432,24 @@ def remainder_encode(
 
 @torch.no_grad()
 @_on_the_tensors_device
-def remainder_decode(
-    flat: torch.Tensor,
-    param: torch.Tensor,
-    low_in: torch.Tensor,
-    index: torch.Tensor,
-    high: torch.Tensor,
-    module: ModuleType | None = None,
+def remainder_widen(
+    flat: torch.Tensor, param: torch.Tensor, low_in: torch.Tensor, module: ModuleType | None = None
 ) -> None:
     """Rebuild the fp32 ``flat`` from its low bits ``low_in`` (the first half of its
-    storage), the bf16 ``param`` and the exceptions, back to front."""
+    storage) and the bf16 ``param``, back to front, the high halves as the rounding rule
+    implies them (:func:`put_exceptions` corrects the exceptions')."""
     module = module or kernels(flat.device)
     bits, param = flat.view(torch.int32), param.view(torch.int16)
     for s, e in reversed(list(geometric_chunks(flat.numel(), widen=2))):
         source = low_in[s:e].clone() if s == 0 else low_in[s:e]
         _remainder_decode(module, source, param[s:e], bits[s:e], e - s)
-    _put_exceptions(flat, index, high)
 
 
-def _put_exceptions(flat: torch.Tensor, index: torch.Tensor, high: torch.Tensor) -> None:
-    """The exceptions' true high halves into the fp32 ``flat``, in groups whose device
-    copies stay within the conversion scratch (10 bytes each): usually one group."""
+@torch.no_grad()
+def put_exceptions(flat: torch.Tensor, index: torch.Tensor, high: torch.Tensor) -> None:
+    """The exceptions' true high halves (``index``, ``high``: on the CPU) into the fp32
+    ``flat``, in groups whose device copies stay within the conversion scratch (10
+    bytes each): usually one group."""
     highs = flat.view(torch.int16).view(-1, 2)[:, 1]
     group = CHUNK_ELEMENTS // 4
     for s in range(0, index.numel(), group):
@@ -553,21 +551,13 @@ def remainder_encode_packed(
 
 @torch.no_grad()
 @_on_the_tensors_device
-def remainder_decode_packed(
-    flats: list[torch.Tensor],
-    params: list[torch.Tensor],
-    lows: list[torch.Tensor],
-    exceptions: list[tuple[torch.Tensor, torch.Tensor]],
-    module: ModuleType | None = None,
+def remainder_widen_packed(
+    flats: list[torch.Tensor], params: list[torch.Tensor], lows: list[torch.Tensor], module: ModuleType | None = None
 ) -> None:
-    """:func:`remainder_decode` of each ``lows[k]`` (as :func:`remainder_encode_packed`
-    left them, with its exceptions) into the fp32 ``flats[k]``."""
+    """:func:`remainder_widen` of each ``lows[k]`` (as :func:`remainder_encode_packed`
+    left them) into the fp32 ``flats[k]``."""
     module = module or kernels(flats[0].device)
     low, p = torch.cat(lows), torch.cat(params)
     x = torch.empty(low.numel(), dtype=torch.float32, device=low.device)
     _remainder_decode(module, low, p.view(torch.int16), x.view(torch.int32), x.numel())
-    if any(index.numel() for index, _ in exceptions):
-        starts = _starts([t.numel() for t in flats])
-        index = torch.cat([i + s for (i, _), s in zip(exceptions, starts, strict=True)])
-        _put_exceptions(x, index, torch.cat([h for _, h in exceptions]))
     torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))

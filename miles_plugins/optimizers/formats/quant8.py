@@ -94,14 +94,15 @@ FORMAT_ID = (
 )
 
 
-@functools.lru_cache(maxsize=8)
+# Cached for the process (never evicted): the codec's CUDA graphs hold their addresses.
+@functools.cache
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The map on ``device`` and the midpoints between neighbours (what rounds where)."""
     values = dynamic_map(signed).to(device)
     return values, (values[:-1] + values[1:]) / 2
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache
 def _search_guide(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused quantizer's tables for the map (``fused.search_guide``), on ``device``."""
     return tuple(t.to(device) for t in fused.search_guide(_tables(signed, torch.device("cpu"))[1]))

@@ -114,21 +114,33 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
 @torch.no_grad()
 def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Exceptions) -> None:
     """``main`` holds its low 16 bits in the first half of its bytes (as
-    :func:`encode_in_place` left them); rebuild the fp32 main (back to front)
-    from them, the unchanged bf16 ``param`` and the exceptions."""
+    :func:`encode_in_place` left them); rebuild the fp32 main from them, the unchanged
+    bf16 ``param`` and the exceptions."""
+    widen_in_place(main, param)
+    put_exceptions(main, exceptions)
+
+
+@torch.no_grad()
+def widen_in_place(main: torch.Tensor, param: torch.Tensor) -> None:
+    """:func:`decode_in_place` but the exceptions (back to front): the high halves the
+    rounding rule implies; :func:`put_exceptions` then corrects the exceptions'. Apart
+    so that the codec's CUDA graphs can hold this part (it reads no host memory)."""
     flat, param, stored = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
     if fused.applies(main):
-        fused.remainder_decode(flat, param, stored, exceptions.index, exceptions.high)
+        fused.remainder_widen(flat, param, stored)
         return
     for s, e in chunks(main.numel(), backwards=True):
         low = stored[s:e].clone()  # read the chunk before writing over it
         high = _guess_high(low, param[s:e])
-        first, last = torch.searchsorted(exceptions.index, torch.tensor([s, e])).tolist()
-        if last > first:
-            high[(exceptions.index[first:last] - s).to(main.device)] = exceptions.high[first:last].to(main.device)
         out_low, out_high = _halves(flat[s:e])
         out_low.copy_(low)
         out_high.copy_(high)
+
+
+def put_exceptions(main: torch.Tensor, exceptions: Exceptions) -> None:
+    """The exceptions' true high halves into the fp32 ``main`` (after :func:`widen_in_place`)."""
+    if len(exceptions):
+        fused.put_exceptions(main.view(-1), exceptions.index, exceptions.high)
 
 
 def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[Exceptions]:
@@ -150,15 +162,14 @@ def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[E
     return found
 
 
-def decode_many(mains: list[torch.Tensor], params: list[torch.Tensor], exceptions: list[Exceptions]) -> None:
-    """:func:`decode_in_place` of every main, the small ones packed as :func:`encode_many`."""
+def widen_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """:func:`widen_in_place` of every main, the small ones packed as :func:`encode_many`."""
     singles, groups = fused.plan_packed(mains)
     for k in singles:
-        decode_in_place(mains[k], params[k], exceptions[k])
+        widen_in_place(mains[k], params[k])
     for group in groups:
-        fused.remainder_decode_packed(
+        fused.remainder_widen_packed(
             [mains[k].view(-1) for k in group],
             [params[k].view(-1) for k in group],
             [stored_view(mains[k], STORAGE_DTYPE) for k in group],
-            [(exceptions[k].index, exceptions[k].high) for k in group],
         )

@@ -12,8 +12,9 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
 The stored bytes always live in the first bytes of the fp32 tensor's own
 storage: a read fills them there and :meth:`Codec.decode` widens them in place;
 :meth:`Codec.encode` narrows in place before a write, a bucket's entries at once
-(on CUDA, small entries are converted packed: see ``fused.plan_packed``). No
-full-size temporary.
+(on CUDA, small entries are converted packed: see ``fused.plan_packed``, and a
+bucket's conversions are replayed from a CUDA graph once its addresses repeat: see
+``graphs.py``). No full-size temporary.
 
 The codec owns the remainder exceptions, which are state: they travel with
 checkpoints (:meth:`export` / :meth:`check` / :meth:`restore`).
@@ -25,9 +26,10 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats import fused, quant8, remainder
 from miles_plugins.optimizers.formats.convert import narrow_in_place, widen_in_place
 from miles_plugins.optimizers.formats.layout import BucketLayout, Segment
+from miles_plugins.optimizers.step.graphs import BucketGraphs
 
 # What the codec converts: (segment, entry index in the bucket, fp32 tensor, bf16 param).
 Item = tuple[Segment, int, torch.Tensor, torch.Tensor]
@@ -44,6 +46,7 @@ class Codec:
     def __init__(self, buckets: Sequence[BucketLayout]) -> None:
         # Remainder mains: per bucket, per entry, the elements the rounding rule misses.
         self.exceptions = [[remainder.Exceptions.none() for _ in b.numels] for b in buckets]
+        self.graphs = BucketGraphs()  # on CUDA with the fused kernels: see graphs.py
 
     @staticmethod
     def is_remainder(segment: Segment) -> bool:
@@ -58,30 +61,53 @@ class Codec:
     def decode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
         """Turn the stored forms (just read) of ``items`` (entries of ``bucket``) into
         fp32, in place."""
-        for kind, group in self._by_conversion(items):
+        groups = self._by_conversion(items)
+        self._run(("decode", bucket.index), groups, lambda: self._widen(groups))
+        # After the graph (they come from host memory): the remainder exceptions.
+        for _, k, tensor, _ in dict(groups).get("remainder", ()):
+            remainder.put_exceptions(tensor, self.exceptions[bucket.index][k])
+
+    def encode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
+        """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
+        forms, in place (their fp32 values are gone afterwards). Each param must
+        already hold its updated main rounded to bf16 (remainder mains)."""
+        groups = self._by_conversion(items)
+        mains = dict(groups).get("remainder", [])
+        rest = [(kind, group) for kind, group in groups if kind != "remainder"]
+        self._run(("encode", bucket.index), rest, lambda: self._narrow(rest))
+        # The remainder mains last, after the graph (their encoder reads its exception counts
+        # on the host, waiting on the device): the moments, queued first, run meanwhile.
+        if mains:
+            found = remainder.encode_many([t for _, _, t, _ in mains], [param for *_, param in mains])
+            for (_, k, _, _), exceptions in zip(mains, found, strict=True):
+                self.exceptions[bucket.index][k] = exceptions
+
+    def _run(self, slot: tuple[str, int], groups: list[tuple[object, list[Item]]], convert) -> None:
+        """``convert()`` of ``groups``, through ``self.graphs`` where the fused kernels serve."""
+        tensors = [(kind, tensor, param) for kind, group in groups for _, _, tensor, param in group]
+        if not tensors or not fused.applies(tensors[0][1]):
+            convert()
+            return
+        key = tuple((kind, t.data_ptr(), t.numel(), p.data_ptr()) for kind, t, p in tensors)
+        self.graphs.run(slot, key, tensors[0][1].device, convert)
+
+    @staticmethod
+    def _widen(groups: list[tuple[object, list[Item]]]) -> None:
+        for kind, group in groups:
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
-                found = [self.exceptions[bucket.index][k] for _, k, _, _ in group]
-                remainder.decode_many(tensors, [param for *_, param in group], found)
+                remainder.widen_many(tensors, [param for *_, param in group])
             elif kind in quant8.MOMENT_FORMATS:
                 quant8.widen_many(tensors, *quant8.MOMENT_FORMATS[kind])
             else:
                 for tensor in tensors:
                     widen_in_place(tensor, kind)
 
-    def encode(self, bucket: BucketLayout, items: Sequence[Item]) -> None:
-        """Turn the fp32 tensors of ``items`` (entries of ``bucket``) into their stored
-        forms, in place (their fp32 values are gone afterwards). Each param must
-        already hold its updated main rounded to bf16 (remainder mains)."""
-        # The remainder mains last: their encoder waits on the device for its exception
-        # counts, and the moments' conversions, queued first, run meanwhile.
-        for kind, group in sorted(self._by_conversion(items), key=lambda pair: pair[0] == "remainder"):
+    @staticmethod
+    def _narrow(groups: list[tuple[object, list[Item]]]) -> None:
+        for kind, group in groups:
             tensors = [tensor for _, _, tensor, _ in group]
-            if kind == "remainder":
-                found = remainder.encode_many(tensors, [param for *_, param in group])
-                for (_, k, _, _), exceptions in zip(group, found, strict=True):
-                    self.exceptions[bucket.index][k] = exceptions
-            elif kind in quant8.MOMENT_FORMATS:
+            if kind in quant8.MOMENT_FORMATS:
                 quant8.narrow_many(tensors, *quant8.MOMENT_FORMATS[kind])
             else:
                 for tensor in tensors:

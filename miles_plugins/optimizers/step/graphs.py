@@ -1,0 +1,148 @@
+"""CUDA graphs of a bucket's conversions (``codec.py``), replayed once its tensors'
+addresses repeat.
+
+Why: the fused codec is bound by the host, not the device. Converting 4 layers of a
+7.6B GPT issues some 540 Triton launches and 2500 tensor views (about 55 ms of host
+time on the H200's host) for 23 ms of device work. A graph replays a bucket's
+launches in one call.
+
+A graph bakes in every address it touches, and the store materializes a bucket's fp32
+tensors from the caching allocator at every step. So a graph is keyed by those
+addresses (and what each tensor's conversion is), and captured when a bucket's
+tensors are where they were at its last eager conversion: in steady training the
+allocator repeats itself, and from the third step on every bucket replays. Where a
+bucket's tensors moved, it converts eagerly; once the new addresses repeat, its graph
+is captured again. At most one graph per bucket and direction.
+
+What a graph must not hold stays out of it, and the codec runs it eagerly after the
+replay: the remainder encoder reads its exception counts on the host, and the
+decoder's exceptions come from host memory.
+
+Memory: the graphs of a device, every store's, share one private pool of the caching
+allocator (replays run one after another on the stream of the step). A capture
+allocates there what the eager conversion would (its scratch, all freed within the
+capture), so the pool holds about one bucket's conversion scratch for as long as any
+graph is held: reserved, not allocated, memory. :meth:`BucketGraphs.release` drops a
+codec's graphs (the store's ``close`` and ``offload_device_home``).
+
+A capture runs nothing on the device, so one that fails (a Triton or driver that
+refuses it) leaves the tensors untouched: the codec drops its graphs, converts
+eagerly, and captures nothing more in this process, with a warning. The allocator is
+taken out of its capture mode; the pool's memory is then held for the rest of the
+process (torch cannot tell how much of the failed capture it counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Hashable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# MILES_CODEC_GRAPHS=0 runs every conversion eagerly (a kill switch; the bench flips it
+# to time both in one process).
+enabled = os.environ.get("MILES_CODEC_GRAPHS", "1") != "0"
+
+# Per device index: the pool every codec's graphs share, and the stream captures run on.
+_captures: dict[int, tuple[object, torch.cuda.Stream]] = {}
+
+
+class BucketGraphs:
+    """At most one CUDA graph per (direction, bucket) slot: captured when the slot is
+    asked to convert at the addresses of its last eager conversion, replayed while
+    they stay (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, tuple[Hashable, torch.cuda.CUDAGraph]] = {}
+        self._last_key: dict[Hashable, Hashable] = {}
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, slot: Hashable, key: Hashable, device: torch.device, convert: Callable[[], None]) -> None:
+        """``convert()`` of tensors on the CUDA ``device``, queued on its current stream:
+        replayed from ``slot``'s graph when it was captured at ``key`` (what ``convert``
+        touches: addresses, sizes, conversions), captured then replayed when ``key``
+        was ``slot``'s at its last eager conversion, else run eagerly."""
+        held = self._graphs.get(slot)
+        if held is not None and held[0] == key:
+            with torch.cuda.device(device):  # its current stream, whichever device is current
+                held[1].replay()
+            self.replays += 1
+            return
+        if not enabled or self._last_key.get(slot) != key:
+            self._last_key[slot] = key
+            convert()
+            return
+        with torch.cuda.device(device):
+            graph = self._capture(device, convert)
+            if graph is None:
+                convert()
+                return
+            self._graphs[slot] = (key, graph)  # replaces the graph of the addresses before
+            self.captures += 1
+            graph.replay()
+        self.replays += 1
+
+    def _capture(self, device: torch.device, convert: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        global enabled
+        if not hasattr(torch.cuda.memory, "_cuda_endAllocateToPool"):
+            # Without it a failed capture would leave the allocator in its capture mode.
+            enabled = False
+            logger.warning("codec CUDA graphs off: this torch cannot undo a failed capture; converting eagerly")
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _captures:
+            _captures[index] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        pool, stream = _captures[index]
+        graph = torch.cuda.CUDAGraph()
+        ended = False
+        try:
+            # Not torch.cuda.graph(): it synchronizes the device and empties the cache,
+            # which a capture does not need. Thread-local: the engine's threads keep
+            # copying on their own streams meanwhile.
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    convert()
+                finally:
+                    ended = True
+                    graph.capture_end()
+        except BaseException as exc:
+            _abandon(graph, stream, index, pool, ended)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt: after the clean-up, as it came
+            enabled = False
+            self.release()
+            logger.warning(
+                "codec CUDA graphs off for this process (converting eagerly): a capture failed (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        return graph
+
+    def release(self) -> None:
+        """Drop every graph: the pool's memory goes back to the caching allocator once no
+        codec holds one. The next conversions run eagerly until their addresses repeat."""
+        self._graphs.clear()
+        self._last_key.clear()
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, index: int, pool, ended: bool) -> None:
+    """After a failed capture: end the stream's capture if it still runs, and take the
+    allocator out of routing this thread's allocations to the pool (torch's
+    ``capture_end`` leaves it there when the capture was invalidated); each step only
+    where it is still needed."""
+    with torch.cuda.stream(stream):
+        if not ended and torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except Exception:  # invalidated: ended anyway
+                pass
+    try:
+        torch.cuda.memory._cuda_endAllocateToPool(index, pool)
+    except Exception:  # capture_begin never routed, or capture_end already stopped it
+        pass

@@ -1,0 +1,130 @@
+"""When the codec's CUDA graphs capture, replay and run eagerly (``step/graphs.py``).
+
+This machine has no CUDA: the capture and the device context are stand-ins here, and
+only the policy is tested (which call runs how). The GPU tier captures for real and
+compares the bytes (``tests/gpu/test_fused_codec.py``)."""
+
+import contextlib
+
+import pytest
+
+from miles_plugins.optimizers.step import graphs
+
+
+class _Graph:
+    """Stands in for a captured CUDA graph: replaying it runs what it captured."""
+
+    def __init__(self, convert):
+        self.convert = convert
+
+    def replay(self):
+        self.convert()
+
+
+@pytest.fixture
+def bucket_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "enabled", True)
+    monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    cache = graphs.BucketGraphs()
+    monkeypatch.setattr(cache, "_capture", lambda device, convert: _Graph(convert))
+    return cache
+
+
+def test_a_bucket_is_captured_when_its_addresses_repeat_and_replayed_while_they_stay(bucket_graphs):
+    ran = []
+    keys = ["a", "a", "a", "b", "a", "b", "b", "b"]
+    for key in keys:
+        bucket_graphs.run(("decode", 0), key, "cuda", lambda key=key: ran.append(key))
+    # Eager, captured (then replayed), replayed; b eager; a replayed (its graph is kept);
+    # b seen twice in a row: captured in a's place; replayed.
+    assert ran == keys  # every call converted once, whichever way
+    assert bucket_graphs.captures == 2
+    assert bucket_graphs.replays == 6
+
+
+def test_slots_are_kept_apart(bucket_graphs):
+    for _ in range(2):
+        bucket_graphs.run(("decode", 0), "a", "cuda", lambda: None)
+        bucket_graphs.run(("encode", 0), "a", "cuda", lambda: None)
+        bucket_graphs.run(("decode", 1), "a", "cuda", lambda: None)
+    assert bucket_graphs.captures == 3 and bucket_graphs.replays == 3
+
+
+class _Capturing:
+    """Stands in for torch's CUDA graph and allocator calls: records the clean-up."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.capturing = False
+        monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(graphs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda device: "stream")
+        monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(graphs.torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(graphs.torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", lambda: self)
+        monkeypatch.setattr(
+            graphs.torch.cuda.memory,
+            "_cuda_endAllocateToPool",
+            lambda index, pool: self.calls.append(("end routing", index, pool)),
+            raising=False,
+        )
+        monkeypatch.setattr(graphs, "_captures", {})
+
+    def capture_begin(self, pool, capture_error_mode):
+        self.calls.append(("begin", pool, capture_error_mode))
+        self.capturing = True
+
+    def capture_end(self):
+        self.calls.append("end")
+        self.capturing = False
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+
+class _Device:
+    index = 0
+
+
+def test_a_failed_capture_is_cleaned_up_converts_eagerly_and_turns_the_graphs_off(monkeypatch, caplog):
+    monkeypatch.setattr(graphs, "enabled", True)
+    torch_calls = _Capturing(monkeypatch)
+    cache, ran = graphs.BucketGraphs(), []
+
+    def convert():
+        ran.append(torch_calls.capturing)
+        if torch_calls.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with caplog.at_level("WARNING", logger=graphs.__name__):
+        for _ in range(3):
+            cache.run(("encode", 0), "a", _Device(), convert)
+    # Eager; the capture fails (convert raised inside it), then converts eagerly; eager again.
+    assert ran == [False, True, False, False]
+    assert torch_calls.calls == [("begin", "pool", "thread_local"), "end", ("end routing", 0, "pool")]
+    assert cache.captures == 0 and cache.replays == 0
+    assert not graphs.enabled and "a capture failed" in caplog.text
+
+
+def test_an_interrupt_during_a_capture_ends_it_and_is_raised(monkeypatch):
+    monkeypatch.setattr(graphs, "enabled", True)
+    torch_calls = _Capturing(monkeypatch)
+    torch_calls.capture_end = lambda: torch_calls.calls.append("end")  # a capture that ends cleanly
+    cache = graphs.BucketGraphs()
+
+    def convert():
+        if torch_calls.capturing:
+            raise KeyboardInterrupt
+
+    cache.run(("decode", 1), "a", _Device(), convert)
+    with pytest.raises(KeyboardInterrupt):
+        cache.run(("decode", 1), "a", _Device(), convert)
+    assert torch_calls.calls == [("begin", "pool", "thread_local"), "end", ("end routing", 0, "pool")]
+    assert graphs.enabled  # not a failure of the graphs: the next step may capture
+
+
+def test_release_drops_the_graphs(bucket_graphs):
+    for _ in range(3):
+        bucket_graphs.run(("decode", 0), "a", "cuda", lambda: None)
+    bucket_graphs.release()
+    bucket_graphs.run(("decode", 0), "a", "cuda", lambda: None)  # eager: seen anew
+    assert bucket_graphs.captures == 1 and bucket_graphs.replays == 2
