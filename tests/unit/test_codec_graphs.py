@@ -69,7 +69,6 @@ class _Capturing:
             lambda index, pool: self.calls.append(("end routing", index, pool)),
             raising=False,
         )
-        monkeypatch.setattr(graphs, "_captures", {})
 
     def capture_begin(self, pool, capture_error_mode):
         self.calls.append(("begin", pool, capture_error_mode))
@@ -85,7 +84,7 @@ class _Device:
     index = 0
 
 
-def test_a_failed_capture_is_cleaned_up_converts_eagerly_and_turns_the_graphs_off(monkeypatch, caplog):
+def test_a_failed_capture_is_cleaned_up_and_raises_naming_the_switch(monkeypatch):
     monkeypatch.setattr(graphs, "enabled", True)
     torch_calls = _Capturing(monkeypatch)
     cache, ran = graphs.BucketGraphs(), []
@@ -95,14 +94,13 @@ def test_a_failed_capture_is_cleaned_up_converts_eagerly_and_turns_the_graphs_of
         if torch_calls.capturing:
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    with caplog.at_level("WARNING", logger=graphs.__name__):
-        for _ in range(3):
-            cache.run(("encode", 0), "a", _Device(), convert)
-    # Eager; the capture fails (convert raised inside it), then converts eagerly; eager again.
-    assert ran == [False, True, False, False]
+    cache.run(("encode", 0), "a", _Device(), convert)
+    with pytest.raises(RuntimeError, match="MILES_CODEC_GRAPHS=0") as raised:
+        cache.run(("encode", 0), "a", _Device(), convert)
+    assert "operation not permitted" in str(raised.value)
+    assert ran == [False, True]  # eager, then the capture (which ran nothing on the device)
     assert torch_calls.calls == [("begin", "pool", "thread_local"), "end", ("end routing", 0, "pool")]
     assert cache.captures == 0 and cache.replays == 0
-    assert not graphs.enabled and "a capture failed" in caplog.text
 
 
 def test_an_interrupt_during_a_capture_ends_it_and_is_raised(monkeypatch):

@@ -18,22 +18,24 @@ What a graph must not hold stays out of it, and the codec runs it eagerly after 
 replay: the remainder encoder reads its exception counts on the host, and the
 decoder's exceptions come from host memory.
 
-Memory: the graphs of a device, every store's, share one private pool of the caching
-allocator (replays run one after another on the stream of the step). A capture
-allocates there what the eager conversion would (its scratch, all freed within the
-capture), so the pool holds about one bucket's conversion scratch for as long as any
-graph is held: reserved, not allocated, memory. :meth:`BucketGraphs.release` drops a
-codec's graphs (the store's ``close`` and ``offload_device_home``).
+Memory: a codec's graphs share one private pool of the caching allocator (they
+replay one after another on the stream of the step). A capture allocates there what
+the eager conversion would (its scratch, all freed within the capture), so the pool
+holds about one bucket's conversion scratch (24 MiB measured at 7.6B) for as long as
+any of them is held: reserved, not allocated, memory. :meth:`BucketGraphs.release`
+drops them (the store's ``close`` and ``offload_device_home``); the next capture
+takes a new pool (torch refuses to capture into one whose last graph is gone).
 
-A capture runs nothing on the device, so one that fails (a Triton or driver that
-refuses it) leaves the tensors untouched: the codec drops its graphs, converts
-eagerly, and captures nothing more in this process, with a warning. The allocator is
-taken out of its capture mode; the pool's memory is then held for the rest of the
-process (torch cannot tell how much of the failed capture it counted).
+A capture that fails raises: torch leaves its allocator and the device's random
+generator mid-capture then (later random draws fail), so the process cannot go on
+safely. The error names ``MILES_CODEC_GRAPHS=0``. A capture runs nothing on the
+device, so the bucket's tensors are as the failed step found them; the allocator is
+taken out of its capture mode before the error is raised, for the store's clean-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Hashable
@@ -46,9 +48,6 @@ logger = logging.getLogger(__name__)
 # to time both in one process).
 enabled = os.environ.get("MILES_CODEC_GRAPHS", "1") != "0"
 
-# Per device index: the pool every codec's graphs share, and the stream captures run on.
-_captures: dict[int, tuple[object, torch.cuda.Stream]] = {}
-
 
 class BucketGraphs:
     """At most one CUDA graph per (direction, bucket) slot: captured when the slot is
@@ -58,6 +57,8 @@ class BucketGraphs:
     def __init__(self) -> None:
         self._graphs: dict[Hashable, tuple[Hashable, torch.cuda.CUDAGraph]] = {}
         self._last_key: dict[Hashable, Hashable] = {}
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
         self.captures = 0
         self.replays = 0
 
@@ -89,60 +90,57 @@ class BucketGraphs:
     def _capture(self, device: torch.device, convert: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         global enabled
         if not hasattr(torch.cuda.memory, "_cuda_endAllocateToPool"):
-            # Without it a failed capture would leave the allocator in its capture mode.
+            # Without it a failed capture would leave the allocator in its capture mode too.
             enabled = False
-            logger.warning("codec CUDA graphs off: this torch cannot undo a failed capture; converting eagerly")
+            logger.warning("codec CUDA graphs off: this torch cannot end a failed capture; converting eagerly")
             return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _captures:
-            _captures[index] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-        pool, stream = _captures[index]
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        if not self._graphs:
+            self._pool = torch.cuda.graph_pool_handle()  # none left in the pool before: a new one
         graph = torch.cuda.CUDAGraph()
         ended = False
         try:
             # Not torch.cuda.graph(): it synchronizes the device and empties the cache,
             # which a capture does not need. Thread-local: the engine's threads keep
             # copying on their own streams meanwhile.
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     convert()
-                finally:
+                except BaseException:
                     ended = True
-                    graph.capture_end()
+                    with contextlib.suppress(Exception):  # the capture's own failure, not the cause
+                        graph.capture_end()
+                    raise
+                ended = True
+                graph.capture_end()
         except BaseException as exc:
-            _abandon(graph, stream, index, pool, ended)
+            _abandon(graph, self._stream, device, self._pool, ended)
             if not isinstance(exc, Exception):
-                raise  # an interrupt: after the clean-up, as it came
-            enabled = False
-            self.release()
-            logger.warning(
-                "codec CUDA graphs off for this process (converting eagerly): a capture failed (%s: %s)",
-                type(exc).__name__,
-                exc,
-            )
-            return None
+                raise  # an interrupt, as it came
+            raise RuntimeError(
+                f"a CUDA graph of the codec's conversions could not be captured ({type(exc).__name__}: {exc}); "
+                "torch's allocator and random generator may be left mid-capture, so this process cannot go on "
+                "safely: restart with MILES_CODEC_GRAPHS=0 (the conversions then run eagerly)"
+            ) from exc
         return graph
 
     def release(self) -> None:
-        """Drop every graph: the pool's memory goes back to the caching allocator once no
-        codec holds one. The next conversions run eagerly until their addresses repeat."""
+        """Drop every graph (and with the last, the pool's memory, to the caching
+        allocator). The next conversions run eagerly until their addresses repeat."""
         self._graphs.clear()
         self._last_key.clear()
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, index: int, pool, ended: bool) -> None:
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: torch.device, pool, ended: bool) -> None:
     """After a failed capture: end the stream's capture if it still runs, and take the
-    allocator out of routing this thread's allocations to the pool (torch's
-    ``capture_end`` leaves it there when the capture was invalidated); each step only
-    where it is still needed."""
+    allocator out of routing allocations to the pool (torch's ``capture_end`` leaves it
+    there when the capture was invalidated); each only where it is still needed."""
     with torch.cuda.stream(stream):
         if not ended and torch.cuda.is_current_stream_capturing():
-            try:
+            with contextlib.suppress(Exception):  # invalidated: ended anyway
                 graph.capture_end()
-            except Exception:  # invalidated: ended anyway
-                pass
-    try:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with contextlib.suppress(Exception):  # capture_begin never routed, or capture_end already stopped it
         torch.cuda.memory._cuda_endAllocateToPool(index, pool)
-    except Exception:  # capture_begin never routed, or capture_end already stopped it
-        pass
