@@ -21,6 +21,11 @@ class _Graph:
         self.convert()
 
 
+@pytest.fixture(autouse=True)
+def _no_failure_yet(monkeypatch):
+    monkeypatch.setattr(graphs, "failed", None)
+
+
 @pytest.fixture
 def bucket_graphs(monkeypatch):
     monkeypatch.setattr(graphs, "enabled", True)
@@ -59,7 +64,8 @@ class _Capturing:
         monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda device: "stream")
-        monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: "pool")
+        self.pools = 0
+        monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", self._pool)
         monkeypatch.setattr(graphs.torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(graphs.torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
         monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", lambda: self)
@@ -69,6 +75,10 @@ class _Capturing:
             lambda index, pool: self.calls.append(("end routing", index, pool)),
             raising=False,
         )
+
+    def _pool(self):
+        self.pools += 1
+        return "pool"
 
     def capture_begin(self, pool, capture_error_mode):
         self.calls.append(("begin", pool, capture_error_mode))
@@ -101,12 +111,21 @@ def test_a_failed_capture_is_cleaned_up_and_raises_naming_the_switch(monkeypatch
     assert ran == [False, True]  # eager, then the capture (which ran nothing on the device)
     assert torch_calls.calls == [("begin", "pool", "thread_local"), "end", ("end routing", 0, "pool")]
     assert cache.captures == 0 and cache.replays == 0
+    # From then on every conversion of the process refuses, eager or not, another codec's too.
+    with pytest.raises(RuntimeError, match="not converting: .*MILES_CODEC_GRAPHS=0"):
+        graphs.BucketGraphs().run(("decode", 3), "b", _Device(), convert)
+    assert ran == [False, True]
 
 
 def test_an_interrupt_during_a_capture_ends_it_and_is_raised(monkeypatch):
     monkeypatch.setattr(graphs, "enabled", True)
     torch_calls = _Capturing(monkeypatch)
-    torch_calls.capture_end = lambda: torch_calls.calls.append("end")  # a capture that ends cleanly
+
+    def clean_end():  # a capture that ends cleanly
+        torch_calls.calls.append("end")
+        torch_calls.capturing = False
+
+    torch_calls.capture_end = clean_end
     cache = graphs.BucketGraphs()
 
     def convert():
@@ -117,7 +136,32 @@ def test_an_interrupt_during_a_capture_ends_it_and_is_raised(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cache.run(("decode", 1), "a", _Device(), convert)
     assert torch_calls.calls == [("begin", "pool", "thread_local"), "end", ("end routing", 0, "pool")]
-    assert graphs.enabled  # not a failure of the graphs: the next step may capture
+    assert graphs.enabled and graphs.failed is None  # not a failure of the graphs: the next step may capture
+
+
+def test_a_new_pool_once_the_codec_holds_no_graph(monkeypatch):
+    """torch refuses to capture into a pool whose last graph is gone (found on the GPU)."""
+    monkeypatch.setattr(graphs, "enabled", True)
+    torch_calls = _Capturing(monkeypatch)
+    torch_calls.capture_end = lambda: setattr(torch_calls, "capturing", False)
+    cache = graphs.BucketGraphs()
+    torch_calls.replay = lambda: None
+    for slot in (("decode", 0), ("decode", 0), ("encode", 0), ("encode", 0)):
+        cache.run(slot, "a", _Device(), lambda: None)
+    assert cache.captures == 2 and torch_calls.pools == 1  # the second capture shares the first's pool
+    cache.release()
+    for _ in range(2):
+        cache.run(("decode", 0), "a", _Device(), lambda: None)
+    assert cache.captures == 3 and torch_calls.pools == 2
+
+
+def test_the_switch_off_stops_held_graphs_too(bucket_graphs, monkeypatch):
+    ran = []
+    for _ in range(3):
+        bucket_graphs.run(("decode", 0), "a", "cuda", lambda: ran.append("eager or replayed"))
+    monkeypatch.setattr(graphs, "enabled", False)
+    bucket_graphs.run(("decode", 0), "a", "cuda", lambda: ran.append("eager"))
+    assert bucket_graphs.replays == 2 and ran[-1] == "eager"
 
 
 def test_release_drops_the_graphs(bucket_graphs):

@@ -88,7 +88,11 @@ class Codec:
         if not tensors or not fused.applies(tensors[0][1]):
             convert()
             return
-        key = tuple((kind, t.data_ptr(), t.numel(), p.data_ptr()) for kind, t, p in tensors)
+        # The param's address only where the conversion reads it: a moved param (an RL
+        # offload and reload) leaves the moments' graphs valid.
+        key = tuple(
+            (kind, t.data_ptr(), t.numel(), p.data_ptr() if kind == "remainder" else 0) for kind, t, p in tensors
+        )
         self.graphs.run(slot, key, tensors[0][1].device, convert)
 
     @staticmethod

@@ -9,10 +9,13 @@ launches in one call.
 A graph bakes in every address it touches, and the store materializes a bucket's fp32
 tensors from the caching allocator at every step. So a graph is keyed by those
 addresses (and what each tensor's conversion is), and captured when a bucket's
-tensors are where they were at its last eager conversion: in steady training the
-allocator repeats itself, and from the third step on every bucket replays. Where a
-bucket's tensors moved, it converts eagerly; once the new addresses repeat, its graph
-is captured again. At most one graph per bucket and direction.
+tensors are where they were at its last eager conversion. Where the caching
+allocator repeats itself from step to step, every bucket then replays (measured:
+the store's own steps at 7.7B, without a forward and backward between them, where
+the graphs were captured in the third and fourth steps; whole training iterations
+are not measured yet). Where a bucket's tensors moved, it converts eagerly; once
+the new addresses repeat, its graph is captured again. At most one graph per bucket
+and direction.
 
 What a graph must not hold stays out of it, and the codec runs it eagerly after the
 replay: the remainder encoder reads its exception counts on the host, and the
@@ -26,9 +29,11 @@ any of them is held: reserved, not allocated, memory. :meth:`BucketGraphs.releas
 drops them (the store's ``close`` and ``offload_device_home``); the next capture
 takes a new pool (torch refuses to capture into one whose last graph is gone).
 
-A capture that fails raises: torch leaves its allocator and the device's random
-generator mid-capture then (later random draws fail), so the process cannot go on
-safely. The error names ``MILES_CODEC_GRAPHS=0``. A capture runs nothing on the
+A capture that fails raises, and so does every later conversion of the process:
+torch leaves its allocator and the device's random generator mid-capture then (later
+random draws fail), so the process cannot go on safely. The error names
+``MILES_CODEC_GRAPHS=0``. Graphs need torch's ``_cuda_endAllocateToPool`` (to end a
+failed capture); without it they stay off, with a warning. A capture runs nothing on the
 device, so the bucket's tensors are as the failed step found them; the allocator is
 taken out of its capture mode before the error is raised, for the store's clean-up.
 """
@@ -47,6 +52,8 @@ logger = logging.getLogger(__name__)
 # MILES_CODEC_GRAPHS=0 runs every conversion eagerly (a kill switch; the bench flips it
 # to time both in one process).
 enabled = os.environ.get("MILES_CODEC_GRAPHS", "1") != "0"
+# The error of a capture that failed in this process: every later conversion raises it.
+failed: RuntimeError | None = None
 
 
 class BucketGraphs:
@@ -66,14 +73,20 @@ class BucketGraphs:
         """``convert()`` of tensors on the CUDA ``device``, queued on its current stream:
         replayed from ``slot``'s graph when it was captured at ``key`` (what ``convert``
         touches: addresses, sizes, conversions), captured then replayed when ``key``
-        was ``slot``'s at its last eager conversion, else run eagerly."""
+        was ``slot``'s at its last eager conversion, else run eagerly. Raises again,
+        once a capture failed in this process (see the module's docstring)."""
+        if failed is not None:
+            raise RuntimeError(f"not converting: {failed}") from failed
+        if not enabled:
+            convert()
+            return
         held = self._graphs.get(slot)
         if held is not None and held[0] == key:
             with torch.cuda.device(device):  # its current stream, whichever device is current
                 held[1].replay()
             self.replays += 1
             return
-        if not enabled or self._last_key.get(slot) != key:
+        if self._last_key.get(slot) != key:
             self._last_key[slot] = key
             convert()
             return
@@ -88,7 +101,7 @@ class BucketGraphs:
         self.replays += 1
 
     def _capture(self, device: torch.device, convert: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        global enabled
+        global enabled, failed
         if not hasattr(torch.cuda.memory, "_cuda_endAllocateToPool"):
             # Without it a failed capture would leave the allocator in its capture mode too.
             enabled = False
@@ -99,7 +112,6 @@ class BucketGraphs:
         if not self._graphs:
             self._pool = torch.cuda.graph_pool_handle()  # none left in the pool before: a new one
         graph = torch.cuda.CUDAGraph()
-        ended = False
         try:
             # Not torch.cuda.graph(): it synchronizes the device and empties the cache,
             # which a capture does not need. Thread-local: the engine's threads keep
@@ -109,21 +121,20 @@ class BucketGraphs:
                 try:
                     convert()
                 except BaseException:
-                    ended = True
                     with contextlib.suppress(Exception):  # the capture's own failure, not the cause
                         graph.capture_end()
                     raise
-                ended = True
                 graph.capture_end()
         except BaseException as exc:
-            _abandon(graph, self._stream, device, self._pool, ended)
+            _abandon(graph, self._stream, device, self._pool)
             if not isinstance(exc, Exception):
                 raise  # an interrupt, as it came
-            raise RuntimeError(
+            failed = RuntimeError(
                 f"a CUDA graph of the codec's conversions could not be captured ({type(exc).__name__}: {exc}); "
                 "torch's allocator and random generator may be left mid-capture, so this process cannot go on "
                 "safely: restart with MILES_CODEC_GRAPHS=0 (the conversions then run eagerly)"
-            ) from exc
+            )
+            raise failed from exc
         return graph
 
     def release(self) -> None:
@@ -133,12 +144,12 @@ class BucketGraphs:
         self._last_key.clear()
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: torch.device, pool, ended: bool) -> None:
+def _abandon(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, device: torch.device, pool) -> None:
     """After a failed capture: end the stream's capture if it still runs, and take the
     allocator out of routing allocations to the pool (torch's ``capture_end`` leaves it
     there when the capture was invalidated); each only where it is still needed."""
     with torch.cuda.stream(stream):
-        if not ended and torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():
             with contextlib.suppress(Exception):  # invalidated: ended anyway
                 graph.capture_end()
     index = device.index if device.index is not None else torch.cuda.current_device()
