@@ -442,7 +442,9 @@ class StreamingStore:
         self._pipeline.codec.graphs.release()
         self._gpu_home.offload(self, self.auto_gpu)
         if self._device.type == "cuda":
-            torch.cuda.empty_cache()  # the graphs' pool too (the home may have had nothing to move)
+            # To the driver, for another process (as upstream's offload does): the home's
+            # buffers and the codec graphs' pool, once for both.
+            torch.cuda.empty_cache()
 
     def restore_device_home(self) -> None:
         """Bring what :meth:`offload_device_home` moved back into device memory (with an

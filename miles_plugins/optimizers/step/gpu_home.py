@@ -102,9 +102,7 @@ class GpuHome:
             # What remains was placed on the device at setup (host and disk had no room): it
             # goes to pinned host memory, as a fixed GPU budget's buckets do.
         if backing is not None:
-            backing.to_host(pin=torch.cuda.is_available())
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()  # to the driver, for another process (as upstream's offload does)
+            backing.to_host(pin=torch.cuda.is_available())  # the store then empties the cache
 
     def restore(self) -> None:
         """``StreamingStore.restore_device_home``, before the budget's own restore."""
