@@ -9,13 +9,13 @@ and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
 the store's buckets (64M elements, a param never split) and converted bucket by
 bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
 small entries packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
-synchronization per bucket and direction (the remainder encoder waits once per
-entry or packed group besides). Wall time of three formulations in one process: the
+synchronization per bucket and direction (the remainder encoder reads its
+exceptions back once per bucket besides). Wall time of three formulations in one process: the
 reference torch formulations (``quant8.py``, ``remainder.py``), the fused Triton
 kernels (``fused.py``) launched eagerly, and the fused kernels through the codec's
 CUDA graphs (``step/graphs.py``: a bucket's conversions captured once its tensors'
-addresses repeat, then replayed; the remainder encoder and the exceptions stay
-eager), timed after a sweep that captures them (reported as ``capture_sweep_s``,
+addresses repeat, then replayed; the decoder's exceptions are put eagerly after
+it), timed after a sweep that captures them (reported as ``capture_sweep_s``,
 with the graphs' count and their pool's bytes). The stored bytes of the largest
 entry, and every entry's remainder exceptions, are compared with the reference's
 (the GPU tier and the kernels' self-test compare every byte, edge cases included).
@@ -31,7 +31,9 @@ the reference's of its own process moved from 0.107 to 0.146: the reference is
 the more host-bound, so that ratio does not cancel the drift).
 Results before 2026-12-02 synchronized after every entry instead; before the
 third call of that day they called ``remainder.encode_many`` and
-``quant8.narrow_many`` directly, as ``Codec`` does.
+``quant8.narrow_many`` directly, as ``Codec`` does; before
+``codec-h200-2026-12-02-encoder-in-graphs.json`` the remainder encoder ran
+eagerly after the graph, waiting on the device once per entry.
 
 The bound is the bytes each param's conversions must move (reads + writes):
 remainder main 8 + 8 (fp32 main, bf16 param, int16 low bits), each 8-bit moment
@@ -208,6 +210,7 @@ def main() -> None:
                 "capture_sweep_s": round(capturing["encode"] + capturing["decode"], 4),
                 "graphs": codec.graphs.captures,
                 "graph_pool_bytes": torch.cuda.memory_reserved() - reserved,
+                "exception_slots_bytes": codec.slots.nbytes(),
             }
         samples = []
         for _ in range(args.samples):  # each from the same values
@@ -235,7 +238,7 @@ def main() -> None:
             report[name]["graph_replays"] = codec.graphs.replays
             if codec.graphs.captures != 2 * len(codec.exceptions):
                 print(f"{name}: {codec.graphs.captures} graphs for {len(codec.exceptions)} buckets: partly eager")
-            codec.graphs.release()
+            codec.release()
         print(
             f"{name}: encode {result['encode']:.3f} s, decode {result['decode']:.3f} s,"
             f" {total / bound:.1f}x the bound ({bound * 1e3:.1f} ms); the device busy"

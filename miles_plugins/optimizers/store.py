@@ -246,7 +246,10 @@ class StreamingStore:
         constants above); with an overlap window, the window's buckets too
         (:attr:`overlap_bytes_bound`: the step ends holding them). On CUDA the codec's
         graphs keep about one bucket's conversion scratch reserved between steps, in a
-        pool of their own (``step/graphs.py``), which this does not count again."""
+        pool of their own (``step/graphs.py``), which this does not count again, and
+        the remainder encoder's exception slots stay allocated (``fused.ExceptionSlots``:
+        8 KiB per encoder run of the largest bucket, 2 bytes per 1024 elements of a run
+        beyond 4M), not counted either: about 200 KiB at 7.6B."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
         scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
@@ -439,11 +442,11 @@ class StreamingStore:
         pinned; only those placed on the device at setup, which have none, go to
         pinned host memory), and the budget fills the home again when it is restored."""
         self._settle()
-        self._pipeline.codec.graphs.release()
+        self._pipeline.codec.release()
         self._gpu_home.offload(self, self.auto_gpu)
         if self._device.type == "cuda":
             # To the driver, for another process (as upstream's offload does): the home's
-            # buffers and the codec graphs' pool, once for both.
+            # buffers, the codec graphs' pool and its exception slots, once for all.
             torch.cuda.empty_cache()
 
     def restore_device_home(self) -> None:
@@ -492,7 +495,7 @@ class StreamingStore:
     def _shut_down(self) -> None:
         self._closed = True
         if self._pipeline is not None:
-            self._pipeline.codec.graphs.release()
+            self._pipeline.codec.release()
         hung = self._pipeline is not None and self._pipeline.hung
         if self._engine is not None:
             self._engine.close(wait=not hung)

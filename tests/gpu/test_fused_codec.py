@@ -95,7 +95,7 @@ def test_fused_remainder_low_bits_and_exceptions_are_the_cpu_reference():
 def test_exceptions_past_the_device_slots_fall_back_and_stay_exact(monkeypatch):
     """A chunk with more exceptions than the kernel can collect (NaN mains) is found by the
     reference path, from fp32 bytes the kernel has not yet written over."""
-    monkeypatch.setattr(fused, "_EXCEPTION_SLOTS", 64)
+    monkeypatch.setattr(fused, "exception_capacity", lambda n: 64)
     main, param = _mains(NUMEL)
     main.view(torch.int32)[fused.SCRATCH_ELEMENTS : fused.SCRATCH_ELEMENTS + 5000] = 0x7FC01234  # NaN, payload
     param = main.bfloat16()
@@ -193,8 +193,15 @@ def test_the_codecs_cuda_graphs_store_and_restore_the_cpu_references_bytes(monke
     gpu_param = torch.empty(main.numel(), dtype=torch.bfloat16, device="cuda")
     rounds = [first, first, first, moved, moved, first]
     captures = [0, 2, 2, 2, 4, 4]  # per bucket: the decode's graph and the encode's
+    long = sum(entries[:3])  # where the long entry starts
     for shift, (state, captured) in enumerate(zip(rounds, captures, strict=True)):
         values = {k: v.roll(1000 * shift) for k, v in base.items()}
+        if shift == 2:  # replayed: runs whose exceptions overflow the slots (NaN mains)
+            nan = values["main"].view(torch.int32)
+            nan[hidden + 1000 : hidden + 3000] = 0x7FC01234  # a packed group's
+            nan[long + 100 : long + 5100] = 0x7FC05678  # the long entry's first chunk
+            s = long + fused.SCRATCH_ELEMENTS + 10  # its second chunk (2057 elements): over its 1024
+            nan[s : s + 1500] = 0x7FC09ABC  # slots too when resumed
         param = values["main"].bfloat16()
         expected, exceptions, decoded = reference(values, param)
         for k in state:
@@ -222,7 +229,7 @@ def test_the_codecs_cuda_graphs_store_and_restore_the_cpu_references_bytes(monke
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), (shift, name)
         assert sum(len(e) for bucket in codec.exceptions for e in bucket) > 100
     assert codec.graphs.replays == 6 * len(buckets)  # rounds 2, 3 and 5, both directions
-    codec.graphs.release()
+    codec.release()
 
 
 def test_a_capture_that_fails_raises_naming_the_switch_with_the_tensors_untouched():

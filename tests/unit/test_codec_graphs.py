@@ -30,6 +30,7 @@ def _no_failure_yet(monkeypatch):
 def bucket_graphs(monkeypatch):
     monkeypatch.setattr(graphs, "enabled", True)
     monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
     cache = graphs.BucketGraphs()
     monkeypatch.setattr(cache, "_capture", lambda device, convert: _Graph(convert))
     return cache
@@ -62,6 +63,7 @@ class _Capturing:
         self.calls = []
         self.capturing = False
         monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda device: "stream")
         self.pools = 0

@@ -88,7 +88,7 @@ def _check_remainder(numel: int) -> None:
 
 
 def _check_exception_overflow() -> None:
-    fused._EXCEPTION_SLOTS = 4
+    capacity, fused.exception_capacity = fused.exception_capacity, lambda n: 4
     every = torch.empty(3000)
     every.view(torch.int32)[:] = 0x7FC01234  # NaN mains, every one an exception: every chunk overflows
     # Chunks [0, 1024), [1024, 2048), [2048, 4096), [4096, 5000): only the third overflows;
@@ -108,6 +108,7 @@ def _check_exception_overflow() -> None:
         fused.remainder_widen(kernel.view(-1), param.view(-1), low)
         fused.put_exceptions(kernel.view(-1), index, high)
         assert torch.equal(kernel.view(torch.int32), main.view(torch.int32))
+    fused.exception_capacity = capacity
 
 
 def _guided_codes(v: torch.Tensor, signed: bool) -> torch.Tensor:
@@ -155,8 +156,9 @@ def _check_packed() -> None:
         for r, k in zip(references, kernels, strict=True):
             quant8.widen_in_place(r, signed, sqrt)
             assert torch.equal(r.view(torch.int32), k.view(torch.int32)), name
-    for slots in (1 << 16, 4):  # 4: the group overflows them, the reference finds its exceptions
-        fused._EXCEPTION_SLOTS = slots
+    default = fused.exception_capacity
+    for capacity in (default, lambda n: 4):  # 4: the group overflows them
+        fused.exception_capacity = capacity
         mains = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (7, 1000, 333)]
         for main in mains:
             main.view(torch.int32)[::5] = (main.view(torch.int32)[::5] & ~0xFFFF) | 0x18000  # ties
@@ -165,7 +167,9 @@ def _check_packed() -> None:
         references, kernels = [m.clone() for m in mains], [m.clone() for m in mains]
         expected = [remainder.encode_in_place(r, p) for r, p in zip(references, params, strict=True)]
         lows = [remainder.stored_view(k, torch.int16) for k in kernels]
-        found = fused.remainder_encode_packed(kernels, params, lows, reference=remainder._exceptions)
+        encoding = fused.RemainderEncoding(kernels, params, lows, [], [[0, 1, 2]], fused.ExceptionSlots())
+        encoding.launch()
+        found = encoding.finish(reference=remainder._exceptions)
         for r, low, e, (index, high) in zip(references, lows, expected, found, strict=True):
             assert torch.equal(remainder.stored_view(r, torch.int16), low)
             assert torch.equal(e.index, index) and torch.equal(e.high, high)
@@ -174,7 +178,7 @@ def _check_packed() -> None:
             fused.put_exceptions(k, index, high)
         for main, k in zip(mains, kernels, strict=True):
             assert torch.equal(main.view(torch.int32), k.view(torch.int32))
-    fused._EXCEPTION_SLOTS = 1 << 16
+    fused.exception_capacity = default
 
 
 def _check_buckets_entries_together() -> None:
@@ -204,16 +208,22 @@ def _check_buckets_entries_together() -> None:
         quant8.widen_many(got, signed=False, sqrt=True)
         for e, g in zip(widened, got, strict=True):
             assert torch.equal(e.view(torch.int32), g.view(torch.int32))
-        got = [m.clone() for m in mains]
-        found = remainder.encode_many(got, params)
-        for e, g, a, b in zip(expected_mains, got, expected_exceptions, found, strict=True):
-            assert torch.equal(remainder.stored_view(e, torch.int16), remainder.stored_view(g, torch.int16))
-            assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
-        remainder.widen_many(got, params)
-        for g, exceptions in zip(got, found, strict=True):
-            remainder.put_exceptions(g, exceptions)
-        for main, g in zip(mains, got, strict=True):
-            assert torch.equal(main.view(torch.int32), g.view(torch.int32))
+        default = fused.exception_capacity
+        # Every run within its slots; then every run over them but the longest entry's
+        # first run, which overflows at its second chunk (342 exceptions per 1024 elements).
+        for capacity in (default, lambda n: 400 if n >= 4096 else 64):
+            fused.exception_capacity = capacity
+            got = [m.clone() for m in mains]
+            found = remainder.encode_many(got, params)
+            for e, g, a, b in zip(expected_mains, got, expected_exceptions, found, strict=True):
+                assert torch.equal(remainder.stored_view(e, torch.int16), remainder.stored_view(g, torch.int16))
+                assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
+            remainder.widen_many(got, params)
+            for g, exceptions in zip(got, found, strict=True):
+                remainder.put_exceptions(g, exceptions)
+            for main, g in zip(mains, got, strict=True):
+                assert torch.equal(main.view(torch.int32), g.view(torch.int32))
+        fused.exception_capacity = default
     finally:
         fused.applies = applies
 

@@ -56,9 +56,12 @@ SCRATCH_ELEMENTS = CHUNK_ELEMENTS
 _ROWS = 16
 _SPAN = 4096
 _WARPS = 4
-# Remainder exceptions collected on the device per run of chunks; past it (a chunk full
-# of NaN mains, say) that chunk's exceptions are found by the reference path instead.
-_EXCEPTION_SLOTS = 1 << 16
+# Remainder exceptions collected on the device, per run of the encoder (an entry's
+# chunks, or a packed group): slots for one element in 4096, at least 1024 (a trained
+# model's rate is about one in 2**17). Past them (a chunk full of NaN mains, say) that
+# chunk's exceptions are found by the reference path instead.
+_SLOTS_MIN = 1 << 10
+_ELEMENTS_PER_SLOT = 1 << 12
 # Entries of at most this many elements (biases, norms: two thirds of a GPT's entries)
 # are converted packed, a group at a time (``plan_packed``): their conversion costs
 # host time per operation, not device time per byte.
@@ -215,6 +218,15 @@ def search_guide(midpoints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return padded, torch.cat([positive, negative]).to(torch.int32)
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` current within the block: nothing to do for the CPU or the current
+    device (``torch.cuda.device`` costs host time per call, a bucket's conversions make
+    hundreds)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _on_the_tensors_device(convert: Callable) -> Callable:
     """Run ``convert(flat, ...)`` with ``flat``'s device current (``flat`` a tensor, or a
     list of tensors on one device): Triton launches on the current device's current
@@ -222,12 +234,12 @@ def _on_the_tensors_device(convert: Callable) -> Callable:
     with the stream the store queued its work on, whichever device is current."""
 
     @functools.wraps(convert)
-    def on_device(flat, *args, **kwargs):
+    def on_its_device(flat, *args, **kwargs):
         device = (flat if isinstance(flat, torch.Tensor) else flat[0]).device
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with on_device(device):
             return convert(flat, *args, **kwargs)
 
-    return on_device
+    return on_its_device
 
 
 def geometric_chunks(n: int, widen: int) -> Iterator[tuple[int, int]]:
@@ -246,12 +258,16 @@ def plan_packed(tensors: list[torch.Tensor], unit: int = 1) -> tuple[list[int], 
     packed: groups of the small ones (at most ``PACKED_MAX_ELEMENTS`` elements, a
     multiple of ``unit``: whole 8-bit blocks) in their order, ``SCRATCH_ELEMENTS`` at
     most per group, where the fused kernels serve. Indices into ``tensors``."""
+    return _plan_sizes([t.numel() if applies(t) else 0 for t in tensors], unit)
+
+
+def _plan_sizes(sizes: list[int], unit: int) -> tuple[list[int], list[list[int]]]:
+    """:func:`plan_packed` of tensors of ``sizes`` elements (0 for one the kernels do not serve)."""
     singles: list[int] = []
     groups: list[list[int]] = []
     size = SCRATCH_ELEMENTS
-    for k, t in enumerate(tensors):
-        n = t.numel()
-        if not (0 < n <= PACKED_MAX_ELEMENTS and n % unit == 0 and applies(t)):
+    for k, n in enumerate(sizes):
+        if not (0 < n <= PACKED_MAX_ELEMENTS and n % unit == 0):
             singles.append(k)
             continue
         if size + n > SCRATCH_ELEMENTS:
@@ -287,35 +303,14 @@ def _dequantize(module, codes, scales, values, out, n: int, sqrt: bool, block: i
     )
 
 
-def _remainder_encode(module, bits, param, low, counts, chunk: int, index, high, n: int, base: int) -> None:
+def _remainder_encode(module, bits, param, low, counts, chunk: int, found, n: int, base: int, capacity: int):
     module.remainder_encode[(_cdiv(n, _SPAN),)](
-        bits,
-        param,
-        low,
-        counts,
-        chunk,
-        index,
-        high,
-        n,
-        base,
-        SLOTS=_EXCEPTION_SLOTS,
-        SPAN=_SPAN,
-        CHUNKS=_MAX_RUN_CHUNKS,
-        num_warps=_WARPS,
+        bits, param, low, counts, chunk, found, n, base, capacity, SPAN=_SPAN, CHUNKS=_MAX_RUN_CHUNKS, num_warps=_WARPS
     )
 
 
 def _remainder_decode(module, low, param, bits, n: int) -> None:
     module.remainder_decode[(_cdiv(n, _SPAN),)](low, param, bits, n, SPAN=_SPAN, num_warps=_WARPS)
-
-
-def _exception_slots(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-chunk exception counts, and the slots for their indices and high halves."""
-    return (
-        torch.zeros(_MAX_RUN_CHUNKS, dtype=torch.int32, device=device),
-        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int64, device=device),
-        torch.empty(_EXCEPTION_SLOTS, dtype=torch.int16, device=device),
-    )
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -324,15 +319,6 @@ def _starts(sizes: list[int]) -> list[int]:
     for n in sizes[:-1]:
         starts.append(starts[-1] + n)
     return starts
-
-
-def _sorted_on_host(index: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exceptions found on the device, on the host, by index (sorted there: usually
-    a few thousand, at most ``_EXCEPTION_SLOTS``, where a device sort costs more host
-    time than the sort itself)."""
-    index, high = index.cpu(), high.cpu()
-    order = torch.argsort(index)
-    return index[order], high[order]
 
 
 # ---- one entry, in place ------------------------------------------------------------
@@ -391,43 +377,11 @@ def remainder_encode(
     """Low 16 bits of the fp32 ``flat`` into ``low_out`` (the first half of its storage);
     returns the exceptions (flat indices ascending, true high bits) on the CPU.
     ``reference(flat, param, s, e)`` finds the exceptions of elements ``[s, e)`` the slow
-    way, from their still unwritten fp32 values, when they overflow the device's slots.
-
-    One host read per entry, not per chunk: the chunks are launched as one run, each
-    standing down once the earlier ones overflowed the slots (the kernel checks), so the
-    overflowing chunk's fp32 elements, which the next chunk's low bits would land on,
-    are still there for ``reference``; the run then resumes after it. The first chunk's
-    low bits wait in the scratch until that read (their place is its own fp32 bytes)."""
-    module = module or kernels(flat.device)
-    bits, param16 = flat.view(torch.int32), param.view(torch.int16)
-    spans = list(geometric_chunks(flat.numel(), widen=2))
-    if not spans:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16)
-    scratch = torch.empty(spans[0][1], dtype=torch.int16, device=flat.device)
-    counts, index, high = _exception_slots(flat.device)
-    found: list[tuple[torch.Tensor, torch.Tensor]] = []
-    first = 0
-    while first < len(spans):
-        run = spans[first : first + _MAX_RUN_CHUNKS]
-        counts.zero_()
-        for chunk, (s, e) in enumerate(run):
-            target = scratch if s == 0 else low_out[s:e]
-            _remainder_encode(module, bits[s:e], param16[s:e], target, counts, chunk, index, high, e - s, s)
-        ran, total = 0, 0
-        for count in counts[: len(run)].tolist():  # the entry's one wait on the device
-            if count < 0 or total + count > _EXCEPTION_SLOTS:
-                break
-            ran, total = ran + 1, total + count
-        if total:
-            found.append(_sorted_on_host(index[:total], high[:total]))
-        if ran < len(run):  # chunk `ran` overflowed (those after it stood down)
-            found.append(reference(flat, param, *run[ran]))
-        if first == 0:  # the first chunk is done either way (found, or by the reference now)
-            low_out[: spans[0][1]].copy_(scratch)
-        first += ran + (ran < len(run))  # past the overflowing chunk, or the whole run
-    if len(found) <= 1:
-        return found[0] if found else (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16))
-    return torch.cat([i for i, _ in found]), torch.cat([h for _, h in found])
+    way, from their still unwritten fp32 values, when they overflow the device's slots
+    (see :class:`RemainderEncoding`, which this is for one entry)."""
+    encoding = RemainderEncoding([flat], [param], [low_out], [0], [], ExceptionSlots(), module)
+    encoding.launch()
+    return encoding.finish(reference)[0]
 
 
 @torch.no_grad()
@@ -521,43 +475,251 @@ def quant8_widen_packed(
 
 @torch.no_grad()
 @_on_the_tensors_device
-def remainder_encode_packed(
-    flats: list[torch.Tensor],
-    params: list[torch.Tensor],
-    lows: list[torch.Tensor],
-    reference,
-    module: ModuleType | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`remainder_encode` of each fp32 ``flats[k]`` (one group of
-    :func:`plan_packed`) into ``lows[k]``; per entry its exceptions on the CPU. One host
-    read for the group; past the slots, ``reference`` finds them in the packed copy."""
-    module = module or kernels(flats[0].device)
-    x, p = torch.cat(flats), torch.cat(params)
-    low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
-    counts, index, high = _exception_slots(x.device)
-    _remainder_encode(module, x.view(torch.int32), p.view(torch.int16), low, counts, 0, index, high, x.numel(), 0)
-    sizes = [t.numel() for t in flats]
-    torch._foreach_copy_(lows, list(low.split(sizes)))
-    del low  # before a fallback's own scratch
-    total = int(counts[0])  # the group's one wait on the device
-    if total > _EXCEPTION_SLOTS:  # the packed copy is intact: the reference finds them there
-        index, high = reference(x, p, 0, x.numel())
-    else:
-        index, high = _sorted_on_host(index[:total], high[:total])
-    starts = _starts(sizes)
-    bounds = torch.searchsorted(index, torch.tensor(starts + [x.numel()])).tolist()
-    return [(index[a:b] - s, high[a:b]) for a, b, s in zip(bounds, bounds[1:], starts, strict=False)]
-
-
-@torch.no_grad()
-@_on_the_tensors_device
 def remainder_widen_packed(
     flats: list[torch.Tensor], params: list[torch.Tensor], lows: list[torch.Tensor], module: ModuleType | None = None
 ) -> None:
-    """:func:`remainder_widen` of each ``lows[k]`` (as :func:`remainder_encode_packed`
-    left them) into the fp32 ``flats[k]``."""
+    """:func:`remainder_widen` of each ``lows[k]`` (as a packed group of
+    :class:`RemainderEncoding` left them) into the fp32 ``flats[k]``."""
     module = module or kernels(flats[0].device)
     low, p = torch.cat(lows), torch.cat(params)
     x = torch.empty(low.numel(), dtype=torch.float32, device=low.device)
     _remainder_decode(module, low, p.view(torch.int16), x.view(torch.int32), x.numel())
     torch._foreach_copy_(flats, list(x.split([t.numel() for t in flats])))
+
+
+# ---- the remainder encoder: launched, then finished -----------------------------------
+
+
+def exception_capacity(n: int) -> int:
+    """Device slots for the exceptions of an encoder run of ``n`` elements."""
+    return max(_SLOTS_MIN, n // _ELEMENTS_PER_SLOT)
+
+
+def _run_sizes(sizes: list[int], singles: list[int], groups: list[list[int]]) -> list[int]:
+    """Elements per run of the encoder: each single, then each packed group."""
+    return [sizes[k] for k in singles] + [sum(sizes[k] for k in group) for group in groups]
+
+
+def slots_needed(sizes: list[int]) -> tuple[int, int]:
+    """Runs and slots in all that :class:`RemainderEncoding` takes for mains of ``sizes``
+    elements on a device where the kernels serve (what ``ExceptionSlots.reserve`` takes)."""
+    capacities = [exception_capacity(n) for n in _run_sizes(sizes, *_plan_sizes(sizes, 1))]
+    return len(capacities), sum(capacities)
+
+
+class ExceptionSlots:
+    """Where the remainder encoder's kernels leave the exceptions they find, on one
+    device: per run, a row of per-chunk counts and a region of slots
+    (:func:`exception_capacity`), each slot an exception's element number and true
+    high half in one int64 (``number << 16 | high & 0xFFFF``: sorting them sorts by
+    number). Grown to the largest need seen and then kept (the codec reserves its
+    largest bucket's :func:`slots_needed` at its first encode), so that the addresses
+    repeat from step to step and a CUDA graph can hold the encoder's launches: 8 bytes
+    per slot and 128 per run, so 8 KiB per run of up to 4M elements and 2 bytes per
+    1024 elements beyond."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None  # int32, a row of _MAX_RUN_CHUNKS per run
+        self.found: torch.Tensor | None = None  # int64, every run's region end to end
+
+    def reserve(self, rows: int, total: int, device: torch.device) -> None:
+        """Room for ``rows`` runs of ``total`` slots in all on ``device``: larger tensors
+        where the present ones fall short (at new addresses: the sizes enter :meth:`key`)."""
+        if device.type == "cuda" and device.index is None:  # as a tensor's device reads
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.counts is not None and self.counts.device == device:
+            if self.counts.shape[0] >= rows and self.found.numel() >= total:
+                return
+            rows, total = max(rows, self.counts.shape[0]), max(total, self.found.numel())
+        self.release()  # before the larger ones are allocated
+        self.counts = torch.zeros(rows, _MAX_RUN_CHUNKS, dtype=torch.int32, device=device)
+        self.found = torch.empty(total, dtype=torch.int64, device=device)
+
+    def key(self) -> tuple | None:
+        """What a CUDA graph of launches into these slots depends on."""
+        if self.counts is None:
+            return None
+        return self.counts.data_ptr(), self.counts.shape[0], self.found.data_ptr(), self.found.numel()
+
+    def nbytes(self) -> int:
+        return 0 if self.counts is None else self.counts.nbytes + self.found.nbytes
+
+    def release(self) -> None:
+        self.counts = self.found = None
+
+
+class RemainderEncoding:
+    """The fused remainder encoder over several mains at once (a bucket's), in two
+    halves: :meth:`launch` queues every kernel and reads nothing back, so that a CUDA
+    graph can hold it; :meth:`finish` then reads back every run's counts, then their
+    exceptions (two copies to the host, whatever the count of runs), and completes any
+    run that overflowed its slots.
+
+    A run is a single entry's chunks (``geometric_chunks``, up to ``_MAX_RUN_CHUNKS``)
+    or a packed group (``plan_packed``), converted in one launch out of a packed copy.
+    Each chunk stands down once the earlier ones overflowed (the kernel checks), so the
+    overflowing chunk's fp32 elements, which the next chunk's low bits would land on,
+    are still there for ``reference``; the run then resumes after it, eagerly. The low
+    bits whose place is their own fp32 bytes (an entry's first chunk, a packed group's)
+    wait in a scratch and are committed on the device unless their run overflowed
+    there, leaving those fp32 bytes for ``reference`` too.
+
+    The kernels number the elements of all the runs in one sequence (the singles, then
+    the groups' entries, in order), so one sort and one search split a bucket's
+    exceptions by entry.
+
+    ``flats``: the fp32 mains, flat; ``params``: their bf16 params, flat; ``lows``: the
+    int16 views of each main's first half, where its low bits go; ``singles`` and
+    ``groups``: indices into them (see :func:`plan_packed`)."""
+
+    def __init__(self, flats, params, lows, singles, groups, slots: ExceptionSlots, module=None) -> None:
+        self.flats, self.params, self.lows = flats, params, lows
+        self.singles, self.groups, self.slots = singles, groups, slots
+        self.device = flats[0].device if flats else None
+        # Now, not at launch: a replayed graph launches nothing, and finish() may resume a run.
+        self.module = module or (kernels(self.device) if flats else None)
+        self.spans = {k: list(geometric_chunks(flats[k].numel(), widen=2)) for k in singles}
+        order = singles + [k for group in groups for k in group]
+        # Entry k's first element's number in the kernels' one sequence.
+        self.numbered = dict(zip(order, _starts([flats[k].numel() for k in order]), strict=True))
+        self.capacities = [exception_capacity(n) for n in _run_sizes([f.numel() for f in flats], singles, groups)]
+        self.starts = _starts(self.capacities)
+        if self.capacities:
+            slots.reserve(len(self.capacities), sum(self.capacities), self.device)
+
+    def key(self) -> tuple:
+        """What a CUDA graph of :meth:`launch` depends on beyond its tensors' addresses."""
+        return self.slots.key(), tuple(self.capacities)
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        """Queue the runs' kernels on the current stream; no host reads."""
+        if not self.capacities:
+            return
+        with on_device(self.device):
+            for r, k in enumerate(self.singles):
+                self._launch_chunks(r, k, 0)
+            for g, group in enumerate(self.groups):
+                self._launch_group(len(self.singles) + g, group)
+
+    @torch.no_grad()
+    def finish(self, reference) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """After :meth:`launch` (or a replay of its graph): every main's exceptions on the
+        CPU (flat indices ascending, true high bits; entries with none share one pair of
+        empty tensors). ``reference(flat, param, s, e)`` finds those of elements
+        ``[s, e)`` from their fp32 values, where a run overflowed."""
+        found = [_NONE] * len(self.flats)
+        if not self.capacities:
+            return found
+        with on_device(self.device):
+            rows = self.slots.counts[: len(self.capacities)].tolist()  # the wait on the device
+            chunks = [min(len(self.spans[k]), _MAX_RUN_CHUNKS) for k in self.singles] + [1] * len(self.groups)
+            fits = [_fitting(row, n, cap) for row, n, cap in zip(rows, chunks, self.capacities, strict=True)]
+            number, high = self._read([(r, total) for r, (_, total) in enumerate(fits)])
+            if number.numel():  # each entry's share, by its numbers
+                entries = list(self.numbered.items())
+                bounds = torch.searchsorted(number, torch.tensor([n for _, n in entries])).tolist()
+                for (k, first), a, b in zip(entries, bounds, bounds[1:] + [number.numel()], strict=True):
+                    if a < b:
+                        found[k] = (number[a:b] - first, high[a:b])
+            for r, k in enumerate(self.singles):
+                if fits[r][0] < len(self.spans[k]):  # overflowed, or longer than a run
+                    found[k] = self._finish_chunks(r, k, fits[r][0], found[k], reference)
+            for g, group in enumerate(self.groups):
+                if not fits[len(self.singles) + g][0]:
+                    for k in group:  # overflowed: nothing committed, every entry's fp32 values intact
+                        flat = self.flats[k]
+                        found[k] = reference(flat, self.params[k], 0, flat.numel())
+                        _commit_from_fp32(flat, self.lows[k], flat.numel())
+        return found
+
+    def _region(self, r: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        start, capacity = self.starts[r], self.capacities[r]
+        return self.slots.counts[r], self.slots.found[start : start + capacity], capacity
+
+    def _launch_chunks(self, r: int, k: int, chunk: int) -> None:
+        """Single ``k``'s chunks from its ``chunk``-th on, as run ``r``."""
+        spans = self.spans[k][chunk : chunk + _MAX_RUN_CHUNKS]
+        if not spans:
+            return
+        counts, found, capacity = self._region(r)
+        flat, low, number = self.flats[k], self.lows[k], self.numbered[k]
+        bits, param = flat.view(torch.int32), self.params[k].view(torch.int16)
+        counts.zero_()
+        scratch = torch.empty(spans[0][1], dtype=torch.int16, device=flat.device) if spans[0][0] == 0 else None
+        for c, (s, e) in enumerate(spans):
+            target = scratch if s == 0 else low[s:e]
+            _remainder_encode(self.module, bits[s:e], param[s:e], target, counts, c, found, e - s, number + s, capacity)
+        if scratch is not None:  # the first chunk's low bits, over its own fp32 bytes unless it overflowed
+            e = spans[0][1]
+            torch.where(counts[0] <= capacity, scratch, low[:e], out=scratch)
+            low[:e].copy_(scratch)
+
+    def _launch_group(self, r: int, group: list[int]) -> None:
+        counts, found, capacity = self._region(r)
+        x = torch.cat([self.flats[k] for k in group])
+        p = torch.cat([self.params[k] for k in group])
+        low = torch.empty(x.numel(), dtype=torch.int16, device=x.device)
+        counts.zero_()
+        bits, param = x.view(torch.int32), p.view(torch.int16)
+        _remainder_encode(self.module, bits, param, low, counts, 0, found, x.numel(), self.numbered[group[0]], capacity)
+        del x, p, bits, param  # before the commit's temporary
+        lows = [self.lows[k] for k in group]
+        torch.where(counts[0] <= capacity, low, torch.cat(lows), out=low)  # unless overflowed: as they were
+        torch._foreach_copy_(lows, list(low.split([self.flats[k].numel() for k in group])))
+
+    def _read(self, totals: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``total`` exceptions of each run ``r``, on the host in one copy,
+        sorted: their element numbers and true high halves."""
+        taken = [self.slots.found[self.starts[r] : self.starts[r] + total] for r, total in totals if total]
+        if not taken:
+            return _NONE
+        found = (taken[0] if len(taken) == 1 else torch.cat(taken)).cpu()
+        found = torch.sort(found).values  # by number: a few hundred per bucket, usually
+        low16 = found & 0xFFFF
+        return found >> 16, (low16 - ((low16 & 0x8000) << 1)).to(torch.int16)  # the high half, signed
+
+    def _finish_chunks(self, r: int, k: int, ran: int, found, reference) -> tuple[torch.Tensor, torch.Tensor]:
+        """Single ``k``'s exceptions after its first run stopped at chunk ``ran`` (overflowed
+        there, or ended; ``found``: those of the chunks before it): an overflowing chunk's
+        by the reference, then the rest of the entry's chunks eagerly."""
+        flat, param, spans = self.flats[k], self.params[k], self.spans[k]
+        parts, first = [found], 0
+        while first < len(spans):
+            run = spans[first : first + _MAX_RUN_CHUNKS]
+            if first:  # the entry's chunks past the overflow (or past the first run)
+                self._launch_chunks(r, k, first)
+                ran, total = _fitting(self.slots.counts[r].tolist(), len(run), self.capacities[r])
+                number, high = self._read([(r, total)])
+                parts.append((number - self.numbered[k], high))
+            if ran < len(run):  # chunk `ran` overflowed (those after it stood down)
+                s, e = run[ran]
+                parts.append(reference(flat, param, s, e))
+                if s == 0:  # its low bits were not committed: from its fp32 bytes, just read
+                    _commit_from_fp32(flat, self.lows[k], e)
+            first += ran + (ran < len(run))  # past the overflowing chunk, or the whole run
+        parts = [part for part in parts if part[0].numel()]
+        if len(parts) <= 1:
+            return parts[0] if parts else _NONE
+        return torch.cat([i for i, _ in parts]), torch.cat([h for _, h in parts])
+
+
+# No exceptions: shared by every entry without any (never written to: empty).
+_NONE = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int16))
+
+
+def _fitting(counts: list[int], chunks: int, capacity: int) -> tuple[int, int]:
+    """How many of a run's first ``chunks`` fit its slots (counted in ``counts``; a chunk
+    after them overflowed, those after it stood down: -1), and their exceptions' count."""
+    ran = total = 0
+    for count in counts[:chunks]:
+        if count < 0 or total + count > capacity:
+            break
+        ran, total = ran + 1, total + count
+    return ran, total
+
+
+def _commit_from_fp32(flat: torch.Tensor, low_out: torch.Tensor, e: int) -> None:
+    """The low bits of fp32 elements ``[0, e)`` into ``low_out[:e]`` (read out first: they
+    land on the first of those elements' bytes)."""
+    low_out[:e].copy_(flat.view(torch.int16).view(-1, 2)[:e, 0].clone())

@@ -143,23 +143,56 @@ def put_exceptions(main: torch.Tensor, exceptions: Exceptions) -> None:
         fused.put_exceptions(main.view(-1), exceptions.index, exceptions.high)
 
 
+class Encoding:
+    """:func:`encode_in_place` of several mains (a bucket's) at once, in two halves:
+    :meth:`launch` queues the conversion, :meth:`finish` returns every main's exceptions.
+    Where the fused kernels serve, the small mains are packed a group at a time
+    (``fused.plan_packed``), nothing in :meth:`launch` reads back to the host (the
+    codec's CUDA graphs hold it) and :meth:`finish` waits on the device once for all;
+    elsewhere :meth:`launch` encodes by the reference. ``slots``: where the kernels
+    collect the exceptions (``fused.ExceptionSlots``; the codec keeps one so that its
+    addresses repeat), a new one when not given."""
+
+    def __init__(
+        self, mains: list[torch.Tensor], params: list[torch.Tensor], slots: fused.ExceptionSlots | None = None
+    ) -> None:
+        self.mains, self.params = mains, params
+        self._found: list[Exceptions] | None = None if mains else []
+        self._fused: fused.RemainderEncoding | None = None
+        if mains and fused.applies(mains[0]):
+            singles, groups = fused.plan_packed(mains)
+            self._fused = fused.RemainderEncoding(
+                [m.view(-1) for m in mains],
+                [p.view(-1) for p in params],
+                [stored_view(m, STORAGE_DTYPE) for m in mains],
+                singles,
+                groups,
+                slots or fused.ExceptionSlots(),
+            )
+
+    def key(self) -> tuple | None:
+        """What a CUDA graph of :meth:`launch` depends on beyond its tensors' addresses."""
+        return self._fused.key() if self._fused is not None else None
+
+    def launch(self) -> None:
+        if self._fused is not None:
+            self._fused.launch()
+        else:
+            self._found = [encode_in_place(m, p) for m, p in zip(self.mains, self.params, strict=True)]
+
+    def finish(self) -> list[Exceptions]:
+        if self._fused is not None:
+            return [Exceptions.of(*pair) for pair in self._fused.finish(reference=_exceptions)]
+        if self._found is None:
+            raise RuntimeError("remainder.Encoding.finish() before launch(): the reference path encodes in launch()")
+        return self._found
+
+
 def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[Exceptions]:
-    """:func:`encode_in_place` of every main (beside its param), the small ones packed a
-    group at a time where the fused kernels serve (``fused.plan_packed``)."""
-    found = [Exceptions.none()] * len(mains)
-    singles, groups = fused.plan_packed(mains)
-    for k in singles:
-        found[k] = encode_in_place(mains[k], params[k])
-    for group in groups:
-        pairs = fused.remainder_encode_packed(
-            [mains[k].view(-1) for k in group],
-            [params[k].view(-1) for k in group],
-            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
-            reference=_exceptions,
-        )
-        for k, pair in zip(group, pairs, strict=True):
-            found[k] = Exceptions.of(*pair)
-    return found
+    """:func:`encode_in_place` of every main (beside its param), as :class:`Encoding`."""
+    encoding = Encoding(mains, params)
+    encoding.launch()
+    return encoding.finish()
 
 
 def widen_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> None:

@@ -82,11 +82,10 @@ def remainder_encode(
     low_ptr,
     counts_ptr,
     chunk,
-    index_ptr,
-    high_ptr,
+    found_ptr,
     n,
     base,
-    SLOTS: tl.constexpr,
+    capacity,
     SPAN: tl.constexpr,
     CHUNKS: tl.constexpr,
 ):
@@ -96,7 +95,7 @@ def remainder_encode(
     # has yet to read. Standing down, it leaves its own elements unread too.
     earlier = tl.load(counts_ptr + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunk, other=0)
     before = tl.sum(earlier, axis=0)
-    stand_down = (tl.min(earlier, axis=0) < 0) | (before > SLOTS)
+    stand_down = (tl.min(earlier, axis=0) < 0) | (before > capacity)
     tl.store(counts_ptr + chunk, -1, mask=stand_down)
     offs = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
     inside = offs < tl.where(stand_down, 0, n)  # a chunk that stands down touches nothing
@@ -111,9 +110,10 @@ def remainder_encode(
     if count > 0:
         first = tl.atomic_add(counts_ptr + chunk, count)
         slot = before + first + tl.cumsum(missed.to(tl.int32), axis=0) - 1
-        keep = missed & (slot < SLOTS)
-        tl.store(index_ptr + slot, offs.to(tl.int64) + base, mask=keep)
-        tl.store(high_ptr + slot, high, mask=keep)
+        keep = missed & (slot < capacity)
+        # The element's number and its true high half in one int64 (ExceptionSlots).
+        found = ((offs.to(tl.int64) + base) << 16) | ((bits >> 16) & 0xFFFF).to(tl.int64)
+        tl.store(found_ptr + slot, found, mask=keep)
 
 
 @triton.jit

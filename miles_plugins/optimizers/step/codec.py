@@ -47,6 +47,12 @@ class Codec:
         # Remainder mains: per bucket, per entry, the elements the rounding rule misses.
         self.exceptions = [[remainder.Exceptions.none() for _ in b.numels] for b in buckets]
         self.graphs = BucketGraphs()  # on CUDA with the fused kernels: see graphs.py
+        # The fused remainder encoder's exception slots, kept for the graphs; the largest
+        # bucket's reserved at the first encode, so that their addresses repeat from then on.
+        self.slots = fused.ExceptionSlots()
+        remainders = [b.numels for b in buckets if b.streams_main and self.is_remainder(b.segments["main"])]
+        needed = [fused.slots_needed(list(numels)) for numels in remainders] or [(0, 0)]
+        self._slots_needed = (max(rows for rows, _ in needed), max(total for _, total in needed))
 
     @staticmethod
     def is_remainder(segment: Segment) -> bool:
@@ -74,16 +80,28 @@ class Codec:
         groups = self._by_conversion(items)
         mains = dict(groups).get("remainder", [])
         rest = [(kind, group) for kind, group in groups if kind != "remainder"]
-        self._run(("encode", bucket.index), rest, lambda: self._narrow(rest))
-        # The remainder mains last, after the graph (their encoder reads its exception counts
-        # on the host, waiting on the device): the moments, queued first, run meanwhile.
-        if mains:
-            found = remainder.encode_many([t for _, _, t, _ in mains], [param for *_, param in mains])
-            for (_, k, _, _), exceptions in zip(mains, found, strict=True):
-                self.exceptions[bucket.index][k] = exceptions
+        if mains and fused.applies(mains[0][2]):
+            self.slots.reserve(*self._slots_needed, mains[0][2].device)
+        encoding = remainder.Encoding([t for _, _, t, _ in mains], [param for *_, param in mains], self.slots)
 
-    def _run(self, slot: tuple[str, int], groups: list[tuple[object, list[Item]]], convert) -> None:
-        """``convert()`` of ``groups``, through ``self.graphs`` where the fused kernels serve."""
+        def narrow() -> None:
+            self._narrow(rest)
+            encoding.launch()
+
+        self._run(("encode", bucket.index), groups, narrow, encoding.key())
+        # After the graph: the remainder exceptions, read back from the device.
+        for (_, k, _, _), exceptions in zip(mains, encoding.finish(), strict=True):
+            self.exceptions[bucket.index][k] = exceptions
+
+    def release(self) -> None:
+        """Drop the graphs and the remainder encoder's slots (device memory; the next
+        conversions run eagerly, and the slots come back at their first encode)."""
+        self.graphs.release()
+        self.slots.release()
+
+    def _run(self, slot: tuple[str, int], groups: list[tuple[object, list[Item]]], convert, extra=None) -> None:
+        """``convert()`` of ``groups``, through ``self.graphs`` where the fused kernels serve
+        (``extra``: what else the conversion's addresses depend on)."""
         tensors = [(kind, tensor, param) for kind, group in groups for _, _, tensor, param in group]
         if not tensors or not fused.applies(tensors[0][1]):
             convert()
@@ -92,7 +110,7 @@ class Codec:
         # offload and reload) leaves the moments' graphs valid.
         key = tuple(
             (kind, t.data_ptr(), t.numel(), p.data_ptr() if kind == "remainder" else 0) for kind, t, p in tensors
-        )
+        ) + (extra,)
         self.graphs.run(slot, key, tensors[0][1].device, convert)
 
     @staticmethod

@@ -12,14 +12,15 @@ addresses (and what each tensor's conversion is), and captured when a bucket's
 tensors are where they were at its last eager conversion. Where the caching
 allocator repeats itself from step to step, every bucket then replays (measured:
 the store's own steps at 7.7B, without a forward and backward between them, where
-the graphs were captured in the third and fourth steps; whole training iterations
-are not measured yet). Where a bucket's tensors moved, it converts eagerly; once
-the new addresses repeat, its graph is captured again. At most one graph per bucket
-and direction.
+the graphs were captured in the third and fourth steps; in whole iterations of
+Megatron's ``pretrain_gpt.py`` at 1.15B, 22 of 23 buckets replayed from the third).
+Where a bucket's tensors moved, it converts eagerly; once the new addresses repeat,
+its graph is captured again. At most one graph per bucket and direction.
 
-What a graph must not hold stays out of it, and the codec runs it eagerly after the
-replay: the remainder encoder reads its exception counts on the host, and the
-decoder's exceptions come from host memory.
+What a graph must not hold stays out of it, and the codec runs it after the replay:
+the remainder encoder's exceptions are read back to the host (from slots at fixed
+addresses, ``fused.ExceptionSlots``), and the decoder's exceptions, which come
+from host memory, are put eagerly.
 
 Memory: a codec's graphs share one private pool of the caching allocator (they
 replay one after another on the stream of the step). A capture allocates there what
@@ -46,6 +47,8 @@ import os
 from collections.abc import Callable, Hashable
 
 import torch
+
+from miles_plugins.optimizers.formats.fused import on_device
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class BucketGraphs:
             return
         held = self._graphs.get(slot)
         if held is not None and held[0] == key:
-            with torch.cuda.device(device):  # its current stream, whichever device is current
+            with on_device(device):  # its current stream, whichever device is current
                 held[1].replay()
             self.replays += 1
             return
