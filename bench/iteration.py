@@ -29,6 +29,11 @@ invocation: ``hidden = 1 - grown / in_step of X``; its ``carried_gb`` is the sta
 window held between steps. The probe synchronizes the device after each step to time
 it; a window's writes are submitted only at the next forward, so none is waited there.
 
+The codec's conversions (``conversions``): how many of the store's bucket decodes and
+encodes, from the third iteration on, replayed from its CUDA graphs and how many ran
+eagerly (``StepStats``; "auto-8bit" keeps every bucket in the gpu home in its stored
+forms, so its step is the codec and Adam).
+
 Host memory: the host's ``MemAvailable`` is sampled every half second through each run
 (``tests.gpu.host_sampler``); ``host_taken_gb`` is its fall at the run's worst.
 
@@ -104,6 +109,9 @@ MODES = {
         "8bit",
     ],
 }
+# The same stored forms with auto budgets: at this size every bucket in the gpu home, so the
+# step is the codec's conversions and Adam (issue 26's "codec at memory speed", in training).
+MODES["auto-8bit"] = [*MODES["auto"], *MODES["disk-8bit"][3:]]
 # The overlap window (``--stream-optimizer-state-overlap-gb``) beside each placement: "X+overlap"
 # is X with a window of the whole state beyond the gpu home (12.8 GiB materialized), so every
 # transfer may leave the step; "host+overlap-3g" holds about what dev at fraction 1 holds
@@ -198,12 +206,22 @@ def summarize(runs: dict[str, dict], drive: dict | None = None) -> dict[str, dic
             # State the overlap window held between steps (the store's accounting), and its bound.
             "carried_gb": round(probe[-1].get("carried_peak_bytes", 0) / 1e9, 2) if probe else None,
             "overlap_bound_gb": round(probe[-1].get("overlap_bytes_bound", 0) / 1e9, 2) if probe else None,
+            # The codec's bucket conversions from the third iteration on: replayed from its CUDA
+            # graphs, or eager (whole iterations leave the buckets' addresses repeating or not).
+            "conversions": _conversions(probe[2:]),
         }
     _ratios(out, "resident", "x_resident", names=list(out))
     if drive:
         _drive_bounds(out, runs, drive)
     _ratios(out, "megatron-dev@0", "x_dev_off", names=[n for n in out if n.startswith("megatron-dev@")])
     return out
+
+
+def _conversions(probe: list[dict]) -> dict | None:
+    counted = [r["conversions"] for r in probe if "conversions" in r]
+    if not counted:
+        return None
+    return {kind: sum(c[kind] for c in counted) for kind in ("replayed", "eager")}
 
 
 def _host_taken(run: dict) -> float | None:

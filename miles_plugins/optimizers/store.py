@@ -311,8 +311,11 @@ class StreamingStore:
             self._update(flight)
 
         walked = False
+        graphs = self._pipeline.codec.graphs
+        replays, eager = graphs.replays, graphs.eager
         try:
             self._pipeline.walk(update, stats, defer=self._window.deferred())
+            stats.conversions_replayed, stats.conversions_eager = graphs.replays - replays, graphs.eager - eager
             walked = True
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
@@ -604,13 +607,19 @@ def _persistence(store: StreamingStore, codec: Codec, backend: AdamBackend, topo
 
 
 def _log_step(steps_taken: int, stats: StepStats) -> None:
+    graphs = ""
+    if stats.conversions_replayed or stats.conversions_eager:
+        graphs = (
+            f"; conversions: {stats.conversions_replayed} replayed from CUDA graphs, {stats.conversions_eager} eager"
+        )
     logger.info(
-        "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s",
+        "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s%s",
         steps_taken,
         stats.buckets,
         stats.bytes_read / 1e6,
         stats.bytes_written / 1e6,
         stats.seconds,
+        graphs,
     )
 
 

@@ -154,6 +154,10 @@ def _record_each_step(training, out: str) -> None:
                         "read": sum(s.last_step.bytes_read for s in stores),
                         "written": sum(s.last_step.bytes_written for s in stores),
                     },
+                    conversions={
+                        "replayed": sum(s.last_step.conversions_replayed for s in stores),
+                        "eager": sum(s.last_step.conversions_eager for s in stores),
+                    },
                 )
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")

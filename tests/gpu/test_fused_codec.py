@@ -324,6 +324,13 @@ def test_a_stores_steps_replay_graphs_and_give_the_eager_steps_bytes(monkeypatch
         assert eager_store._pipeline.codec.graphs.replays == 0
         assert codec.graphs.captures == 2 * len(store.buckets), (codec.graphs.captures, codec.graphs.replays)
         assert codec.graphs.replays >= 2 * len(store.buckets) * (len(grads) - 3), codec.graphs.replays
+        # What the steps report (StepStats): the last step all replayed; with graphs off, all eager.
+        conversions = 2 * len(store.buckets)
+        assert (store.last_step.conversions_replayed, store.last_step.conversions_eager) == (conversions, 0)
+        assert store.total.conversions_replayed == codec.graphs.replays
+        assert store.total.conversions_replayed + store.total.conversions_eager == len(grads) * conversions
+        last = eager_store.last_step
+        assert (last.conversions_replayed, last.conversions_eager) == (0, conversions)
         for k, (a, b) in enumerate(zip(eager, replayed, strict=True)):
             assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)), k
     finally:

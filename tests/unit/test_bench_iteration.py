@@ -98,9 +98,18 @@ def test_the_summary_gives_ratios_and_the_share_of_the_step_s_transfers_hidden()
     assert "x_dev_off" not in summary["host"]
     assert "in_step_s" not in summary["megatron-dev@0.5"]  # dev moves state outside its step too
     assert summary["failed"]["ok"] is False and "x_resident" not in summary["failed"]
+    assert summary["host"]["conversions"] is None  # no conversion counts recorded
+
     assert summary["cut short"]["ok"] is False
     assert host["max_reserved_mb"] == 5 * 1024  # the largest any iteration saw
     assert host["placement"] == {"gpu": 1}
+
+
+def test_the_summary_counts_the_codecs_conversions_from_the_third_iteration():
+    run = _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1])
+    for record, (replayed, eager) in zip(run["probe"], [(0, 8), (2, 6), (6, 2), (8, 0), (8, 0)], strict=True):
+        record["conversions"] = {"replayed": replayed, "eager": eager}
+    assert iteration.summarize({"disk-8bit": run})["disk-8bit"]["conversions"] == {"replayed": 22, "eager": 2}
 
 
 def test_an_overlap_mode_is_judged_against_its_twin_and_a_disk_mode_against_its_drive():

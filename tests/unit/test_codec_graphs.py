@@ -46,6 +46,7 @@ def test_a_bucket_is_captured_when_its_addresses_repeat_and_replayed_while_they_
     assert ran == keys  # every call converted once, whichever way
     assert bucket_graphs.captures == 2
     assert bucket_graphs.replays == 6
+    assert bucket_graphs.eager == 2  # what a step's StepStats counts, with the replays
 
 
 def test_slots_are_kept_apart(bucket_graphs):
@@ -163,7 +164,7 @@ def test_the_switch_off_stops_held_graphs_too(bucket_graphs, monkeypatch):
         bucket_graphs.run(("decode", 0), "a", "cuda", lambda: ran.append("eager or replayed"))
     monkeypatch.setattr(graphs, "enabled", False)
     bucket_graphs.run(("decode", 0), "a", "cuda", lambda: ran.append("eager"))
-    assert bucket_graphs.replays == 2 and ran[-1] == "eager"
+    assert bucket_graphs.replays == 2 and ran[-1] == "eager" and bucket_graphs.eager == 2
 
 
 def test_release_drops_the_graphs(bucket_graphs):

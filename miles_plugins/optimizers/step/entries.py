@@ -43,18 +43,26 @@ class Entry:
 class StepStats:
     """What one step (or all steps, summed) moved and how long it took. The bytes are
     the stored state the step read and wrote, whatever each bucket's home: a drive's
-    traffic is the disk buckets' share (``StreamingStore.home_bytes``)."""
+    traffic is the disk buckets' share (``StreamingStore.home_bytes``).
+    ``conversions_replayed`` and ``conversions_eager``: a bucket's decodes and encodes
+    on CUDA with the fused kernels, replayed from the codec's CUDA graphs or run
+    eagerly (``step/graphs.py``: eager where the bucket's tensors moved since its
+    last conversion); 0 and 0 where nothing is converted or the kernels do not serve."""
 
     buckets: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    conversions_replayed: int = 0
+    conversions_eager: int = 0
 
     def add(self, other: StepStats) -> None:
         self.buckets += other.buckets
         self.bytes_read += other.bytes_read
         self.bytes_written += other.bytes_written
         self.seconds += other.seconds
+        self.conversions_replayed += other.conversions_replayed
+        self.conversions_eager += other.conversions_eager
 
 
 # The fp32 grad of an entry's main for this step, or None (no grad: not updated).

@@ -13,9 +13,10 @@ tensors are where they were at its last eager conversion. Where the caching
 allocator repeats itself from step to step, every bucket then replays (measured:
 the store's own steps at 7.7B, without a forward and backward between them, where
 the graphs were captured in the third and fourth steps; in whole iterations of
-Megatron's ``pretrain_gpt.py`` at 1.15B, 22 of 23 buckets replayed from the third).
-Where a bucket's tensors moved, it converts eagerly; once the new addresses repeat,
-its graph is captured again. At most one graph per bucket and direction.
+Megatron's ``pretrain_gpt.py`` at 1.15B, 22 of 23 buckets replayed from the third;
+``StepStats`` counts each step's replays and eager runs). Where a bucket's tensors
+moved, it converts eagerly; once the new addresses repeat, its graph is captured
+again. At most one graph per bucket and direction.
 
 What a graph must not hold stays out of it, and the codec runs it after the replay:
 the remainder encoder's exceptions are read back to the host (from slots at fixed
@@ -69,8 +70,11 @@ class BucketGraphs:
         self._last_key: dict[Hashable, Hashable] = {}
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
+        # Counts of the process's conversions through this cache: graphs captured; runs
+        # replayed (a capture's first run included) and run eagerly.
         self.captures = 0
         self.replays = 0
+        self.eager = 0
 
     def run(self, slot: Hashable, key: Hashable, device: torch.device, convert: Callable[[], None]) -> None:
         """``convert()`` of tensors on the CUDA ``device``, queued on its current stream:
@@ -82,6 +86,7 @@ class BucketGraphs:
             raise RuntimeError(f"not converting: {failed}") from failed
         if not enabled:
             convert()
+            self.eager += 1
             return
         held = self._graphs.get(slot)
         if held is not None and held[0] == key:
@@ -92,11 +97,13 @@ class BucketGraphs:
         if self._last_key.get(slot) != key:
             self._last_key[slot] = key
             convert()
+            self.eager += 1
             return
         with torch.cuda.device(device):
             graph = self._capture(device, convert)
             if graph is None:
                 convert()
+                self.eager += 1
                 return
             self._graphs[slot] = (key, graph)  # replaces the graph of the addresses before
             self.captures += 1
