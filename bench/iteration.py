@@ -111,7 +111,13 @@ MODES = {
 }
 # The same stored forms with auto budgets: at this size every bucket in the gpu home, so the
 # step is the codec's conversions and Adam (issue 26's "codec at memory speed", in training).
-MODES["auto-8bit"] = [*MODES["auto"], *MODES["disk-8bit"][3:]]
+MODES["auto-8bit"] = [
+    *MODES["auto"],
+    "--stream-optimizer-state-main-storage",
+    "remainder",
+    "--stream-optimizer-state-moment-dtype",
+    "8bit",
+]
 # The overlap window (``--stream-optimizer-state-overlap-gb``) beside each placement: "X+overlap"
 # is X with a window of the whole state beyond the gpu home (12.8 GiB materialized), so every
 # transfer may leave the step; "host+overlap-3g" holds about what dev at fraction 1 holds

@@ -315,7 +315,9 @@ class StreamingStore:
         replays, eager = graphs.replays, graphs.eager
         try:
             self._pipeline.walk(update, stats, defer=self._window.deferred())
-            stats.conversions_replayed, stats.conversions_eager = graphs.replays - replays, graphs.eager - eager
+            # Added, not set: the walk's stats (the prefetched buckets' included) count none.
+            stats.conversions_replayed += graphs.replays - replays
+            stats.conversions_eager += graphs.eager - eager
             walked = True
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
@@ -610,7 +612,8 @@ def _log_step(steps_taken: int, stats: StepStats) -> None:
     graphs = ""
     if stats.conversions_replayed or stats.conversions_eager:
         graphs = (
-            f"; conversions: {stats.conversions_replayed} replayed from CUDA graphs, {stats.conversions_eager} eager"
+            f"; conversions: {stats.conversions_replayed} replayed from CUDA graphs (captures included),"
+            f" {stats.conversions_eager} eager"
         )
     logger.info(
         "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s%s",

@@ -2,8 +2,8 @@
 ``quant8.py`` and ``remainder.py``, which stay the reference (and the CPU path).
 
 Why: the reference formulations run a dozen elementwise passes per chunk, and the
-remainder encoder waits on the host for every 4M-element chunk's exceptions. A fused kernel reads
-each fp32 element once and writes its stored form once.
+reference remainder encoder waits on the host for every chunk's exceptions. A fused
+kernel reads each fp32 element once and writes its stored form once.
 
 Exactness: every operation is the reference's IEEE one. ``tl.div_rn`` and ``tl.sqrt_rn``
 round correctly (plain ``/`` and ``tl.sqrt`` in Triton are approximate), and subnormal

@@ -45,9 +45,10 @@ class StepStats:
     the stored state the step read and wrote, whatever each bucket's home: a drive's
     traffic is the disk buckets' share (``StreamingStore.home_bytes``).
     ``conversions_replayed`` and ``conversions_eager``: a bucket's decodes and encodes
-    on CUDA with the fused kernels, replayed from the codec's CUDA graphs or run
-    eagerly (``step/graphs.py``: eager where the bucket's tensors moved since its
-    last conversion); 0 and 0 where nothing is converted or the kernels do not serve."""
+    on CUDA with the fused kernels, replayed from the codec's CUDA graphs (a graph's
+    capture and first replay included) or run eagerly (``step/graphs.py``: eager
+    where the bucket's tensors moved since its last conversion); 0 and 0 where
+    nothing is converted or the kernels do not serve."""
 
     buckets: int = 0
     bytes_read: int = 0

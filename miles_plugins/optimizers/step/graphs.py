@@ -13,8 +13,8 @@ tensors are where they were at its last eager conversion. Where the caching
 allocator repeats itself from step to step, every bucket then replays (measured:
 the store's own steps at 7.7B, without a forward and backward between them, where
 the graphs were captured in the third and fourth steps; in whole iterations of
-Megatron's ``pretrain_gpt.py`` at 1.15B, 22 of 23 buckets replayed from the third;
-``StepStats`` counts each step's replays and eager runs). Where a bucket's tensors
+Megatron's ``pretrain_gpt.py`` at 1.15B, 44 of a step's 46 conversions replayed
+from the third; ``StepStats`` counts each step's replays and eager runs). Where a bucket's tensors
 moved, it converts eagerly; once the new addresses repeat, its graph is captured
 again. At most one graph per bucket and direction.
 
