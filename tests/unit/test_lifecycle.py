@@ -2,6 +2,7 @@
 
 import logging
 import time
+import types
 
 import pytest
 import torch
@@ -349,4 +350,48 @@ def test_a_suspended_iter_state_survives_a_step_and_a_load(tmp_path):
     assert streamed.load_from(str(tmp_path / "ckpt"))
     rest = list(reader)  # the copies taken before the step
     assert first[1].shape == first[0].shape and len(rest) == len(list(model.parameters())) - 1
+    streamed.close()
+
+
+def test_a_step_reports_its_conversions_replayed_and_eager(tmp_path, monkeypatch, caplog):
+    """``StepStats.conversions_*`` and the log line's suffix: the codec's conversions go
+    through its ``BucketGraphs`` policy here, with a stand-in capture (this machine has
+    no CUDA; the GPU tier counts real graphs): eager at first sight of a bucket's
+    addresses, captured at the second, replayed after."""
+    import contextlib
+
+    from miles_plugins.optimizers.step import graphs
+
+    model = _model()
+    optimizer, streamed = _streamed(tmp_path, model, main_storage="remainder", moment_dtype="8bit")
+    codec = streamed.store._pipeline.codec
+    monkeypatch.setattr(graphs, "enabled", True)
+    monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    current = []  # a real graph replays the same kernels on the same addresses: this call's conversion
+    monkeypatch.setattr(
+        codec.graphs, "_capture", lambda device, convert: types.SimpleNamespace(replay=lambda: current[-1]())
+    )
+
+    def through_the_graphs(slot, groups, convert, extra=None):
+        if any(group for _, group in groups):  # as Codec._run: a slot keyed by what it converts
+            current.append(convert)
+            codec.graphs.run(slot, (slot, extra is None), "cuda", convert)
+
+    monkeypatch.setattr(codec, "_run", through_the_graphs)
+    conversions = 2 * len(streamed.store.buckets)
+    counted = []
+    for step in range(3):
+        _backward(model, step)
+        with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.store"):
+            optimizer.step()
+        optimizer.zero_grad()
+        last = streamed.store.last_step
+        counted.append((last.conversions_replayed, last.conversions_eager))
+    assert counted[0][0] == 0 and counted[0][1] > 0  # the first step: every bucket seen anew
+    assert counted[1:] == [(conversions, 0), (conversions, 0)]  # captured, then replayed
+    total = streamed.store.total
+    assert (total.conversions_replayed, total.conversions_eager) == (2 * conversions, counted[0][1])
+    line = [r.getMessage() for r in caplog.records if "streamed optimizer step 3" in r.getMessage()][0]
+    assert f"conversions: {conversions} replayed from CUDA graphs (captures included), 0 eager" in line
     streamed.close()
