@@ -29,7 +29,6 @@ def _no_failure_yet(monkeypatch):
 @pytest.fixture
 def bucket_graphs(monkeypatch):
     monkeypatch.setattr(graphs, "enabled", True)
-    monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
     cache = graphs.BucketGraphs()
     monkeypatch.setattr(cache, "_capture", lambda device, convert: _Graph(convert))
@@ -63,7 +62,6 @@ class _Capturing:
     def __init__(self, monkeypatch):
         self.calls = []
         self.capturing = False
-        monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
         monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda device: "stream")

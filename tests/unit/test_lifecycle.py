@@ -367,7 +367,6 @@ def test_a_step_reports_its_conversions_replayed_and_eager(tmp_path, monkeypatch
     codec = streamed.store._pipeline.codec
     monkeypatch.setattr(graphs, "enabled", True)
     monkeypatch.setattr(graphs, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
     current = []  # a real graph replays the same kernels on the same addresses: this call's conversion
     monkeypatch.setattr(
         codec.graphs, "_capture", lambda device, convert: types.SimpleNamespace(replay=lambda: current[-1]())

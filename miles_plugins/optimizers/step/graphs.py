@@ -99,7 +99,7 @@ class BucketGraphs:
             convert()
             self.eager += 1
             return
-        with torch.cuda.device(device):
+        with on_device(device):
             graph = self._capture(device, convert)
             if graph is None:
                 convert()
