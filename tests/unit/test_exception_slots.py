@@ -46,3 +46,18 @@ def test_slots_that_grow_change_the_key_and_never_shrink():
     assert slots.nbytes() == 3 * 32 * 4 + 2048 * 8
     slots.release()
     assert slots.key() is None
+
+
+def test_counts_and_slots_share_one_buffer_without_overlap_and_read_back_together(monkeypatch):
+    for width in (32, 3):  # the kernels' rows, and an odd width (a row then ends mid-word)
+        monkeypatch.setattr(fused, "_MAX_RUN_CHUNKS", width)
+        slots = fused.ExceptionSlots()
+        slots.reserve(3, 100, torch.device("cpu"))
+        slots.found.fill_(7)
+        slots.counts.fill_(-1)  # every count of every row: the slots must not change
+        slots.counts[2, width - 1] = 5
+        assert slots.counts.shape == (3, width) and slots.found.numel() == 100
+        assert bool((slots.found == 7).all())
+        counts, found = slots.read_back(40)
+        assert counts.tolist() == slots.counts.tolist() and counts[2, width - 1] == 5
+        assert found.numel() == 40 and bool((found == 7).all())

@@ -512,47 +512,85 @@ class ExceptionSlots:
     device: per run, a row of per-chunk counts and a region of slots
     (:func:`exception_capacity`), each slot an exception's element number and true
     high half in one int64 (``number << 16 | high & 0xFFFF``: sorting them sorts by
-    number). Grown to the largest need seen and then kept (the codec reserves its
+    number). Counts and slots share one device buffer (the counts' rows first), so that
+    :meth:`read_back` brings both to the host in one copy, into a pinned copy of the
+    buffer. Grown to the largest need seen and then kept (the codec reserves its
     largest bucket's :func:`slots_needed` at its first encode), so that the addresses
     repeat from step to step and a CUDA graph can hold the encoder's launches: 8 bytes
     per slot and 128 per run, so 8 KiB per run of up to 4M elements and 2 bytes per
-    1024 elements beyond."""
+    1024 elements beyond, on the device and again in host memory."""
 
     def __init__(self) -> None:
-        self.counts: torch.Tensor | None = None  # int32, a row of _MAX_RUN_CHUNKS per run
-        self.found: torch.Tensor | None = None  # int64, every run's region end to end
+        self.buffer: torch.Tensor | None = None  # int64: `rows` rows of counts (as int32), then the slots
+        self.host: torch.Tensor | None = None  # the buffer's copy on the host (pinned for a CUDA buffer)
+        self.rows = 0
+        self.width = _MAX_RUN_CHUNKS  # counts per row, as at the buffer's allocation (tests shrink it)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """int32, a row of ``_MAX_RUN_CHUNKS`` per run (a view of the buffer)."""
+        return self._counts(self.buffer)
+
+    @property
+    def found(self) -> torch.Tensor:
+        """int64, every run's region of slots end to end (a view of the buffer)."""
+        return self.buffer[self._words :]
+
+    @property
+    def _words(self) -> int:
+        """int64 words the counts' rows take (two int32 counts each)."""
+        return self.rows * -(-self.width // 2)
+
+    def _counts(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[: self._words].view(torch.int32)[: self.rows * self.width].view(self.rows, self.width)
 
     def reserve(self, rows: int, total: int, device: torch.device) -> None:
-        """Room for ``rows`` runs of ``total`` slots in all on ``device``: larger tensors
-        where the present ones fall short (at new addresses: the sizes enter :meth:`key`)."""
+        """Room for ``rows`` runs of ``total`` slots in all on ``device``: a larger buffer
+        where the present one falls short (at a new address: the sizes enter :meth:`key`)."""
         if device.type == "cuda" and device.index is None:  # as a tensor's device reads
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.counts is not None and self.counts.device == device:
-            if self.counts.shape[0] >= rows and self.found.numel() >= total:
+        if self.buffer is not None and self.buffer.device == device:
+            if self.rows >= rows and self.found.numel() >= total:
                 return
-            rows, total = max(rows, self.counts.shape[0]), max(total, self.found.numel())
-        self.release()  # before the larger ones are allocated
-        self.counts = torch.zeros(rows, _MAX_RUN_CHUNKS, dtype=torch.int32, device=device)
-        self.found = torch.empty(total, dtype=torch.int64, device=device)
+            rows, total = max(rows, self.rows), max(total, self.found.numel())
+        self.release()  # before the larger one is allocated
+        self.rows, self.width = rows, _MAX_RUN_CHUNKS
+        self.buffer = torch.zeros(self._words + total, dtype=torch.int64, device=device)
+        self.host = torch.empty_like(self.buffer, device="cpu", pin_memory=device.type == "cuda")
+
+    def read_back(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every run's counts and the first ``used`` slots, on the host (views of the host
+        copy, valid until the next call): one copy, after everything queued on the
+        device's current stream, which this waits for."""
+        n = self._words + used
+        if self.buffer.is_cuda:
+            self.host[:n].copy_(self.buffer[:n], non_blocking=True)
+            torch.cuda.current_stream(self.buffer.device).synchronize()
+            host = self.host
+        else:
+            host = self.buffer  # already on the host (Triton's interpreter)
+        return self._counts(host), host[self._words : n]
 
     def key(self) -> tuple | None:
         """What a CUDA graph of launches into these slots depends on."""
-        if self.counts is None:
+        if self.buffer is None:
             return None
-        return self.counts.data_ptr(), self.counts.shape[0], self.found.data_ptr(), self.found.numel()
+        return self.buffer.data_ptr(), self.rows, self.buffer.numel()
 
     def nbytes(self) -> int:
-        return 0 if self.counts is None else self.counts.nbytes + self.found.nbytes
+        """Device bytes (the host copy takes as many)."""
+        return 0 if self.buffer is None else self.buffer.nbytes
 
     def release(self) -> None:
-        self.counts = self.found = None
+        self.buffer = self.host = None
+        self.rows = 0
 
 
 class RemainderEncoding:
     """The fused remainder encoder over several mains at once (a bucket's), in two
     halves: :meth:`launch` queues every kernel and reads nothing back, so that a CUDA
-    graph can hold it; :meth:`finish` then reads back every run's counts, then their
-    exceptions (two copies to the host, whatever the count of runs), and completes any
+    graph can hold it; :meth:`finish` then reads back every run's counts and exceptions
+    (one copy to the host, whatever the count of runs), and completes any
     run that overflowed its slots.
 
     A run is a single entry's chunks (``geometric_chunks``, up to ``_MAX_RUN_CHUNKS``)
@@ -612,10 +650,11 @@ class RemainderEncoding:
         if not self.capacities:
             return found
         with on_device(self.device):
-            rows = self.slots.counts[: len(self.capacities)].tolist()  # the wait on the device
+            counts, slots = self.slots.read_back(sum(self.capacities))  # the wait on the device
+            rows = counts[: len(self.capacities)].tolist()
             chunks = [min(len(self.spans[k]), _MAX_RUN_CHUNKS) for k in self.singles] + [1] * len(self.groups)
             fits = [_fitting(row, n, cap) for row, n, cap in zip(rows, chunks, self.capacities, strict=True)]
-            number, high = self._read([(r, total) for r, (_, total) in enumerate(fits)])
+            number, high = self._read(slots, [(r, total) for r, (_, total) in enumerate(fits)])
             if number.numel():  # each entry's share, by its numbers
                 entries = list(self.numbered.items())
                 bounds = torch.searchsorted(number, torch.tensor([n for _, n in entries])).tolist()
@@ -668,14 +707,14 @@ class RemainderEncoding:
         torch.where(counts[0] <= capacity, low, torch.cat(lows), out=low)  # unless overflowed: as they were
         torch._foreach_copy_(lows, list(low.split([self.flats[k].numel() for k in group])))
 
-    def _read(self, totals: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``total`` exceptions of each run ``r``, on the host in one copy,
-        sorted: their element numbers and true high halves."""
-        taken = [self.slots.found[self.starts[r] : self.starts[r] + total] for r, total in totals if total]
+    def _read(self, slots: torch.Tensor, totals: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``total`` exceptions of each run ``r`` (``slots``: as
+        ``ExceptionSlots.read_back`` gave them), sorted into new host tensors: their
+        element numbers and true high halves."""
+        taken = [slots[self.starts[r] : self.starts[r] + total] for r, total in totals if total]
         if not taken:
             return _NONE
-        found = (taken[0] if len(taken) == 1 else torch.cat(taken)).cpu()
-        found = torch.sort(found).values  # by number: a few hundred per bucket, usually
+        found = torch.sort(torch.cat(taken)).values  # by number: a few hundred per bucket, usually
         low16 = found & 0xFFFF
         return found >> 16, (low16 - ((low16 & 0x8000) << 1)).to(torch.int16)  # the high half, signed
 
@@ -689,8 +728,9 @@ class RemainderEncoding:
             run = spans[first : first + _MAX_RUN_CHUNKS]
             if first:  # the entry's chunks past the overflow (or past the first run)
                 self._launch_chunks(r, k, first)
-                ran, total = _fitting(self.slots.counts[r].tolist(), len(run), self.capacities[r])
-                number, high = self._read([(r, total)])
+                counts, slots = self.slots.read_back(sum(self.capacities))
+                ran, total = _fitting(counts[r].tolist(), len(run), self.capacities[r])
+                number, high = self._read(slots, [(r, total)])
                 parts.append((number - self.numbered[k], high))
             if ran < len(run):  # chunk `ran` overflowed (those after it stood down)
                 s, e = run[ran]
