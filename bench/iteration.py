@@ -123,7 +123,8 @@ MODES["auto-8bit"] = [
 # transfer may leave the step; "host+overlap-3g" holds about what dev at fraction 1 holds
 # beyond our host mode (3420 MiB of peak reserved, measured 2026-12-02), "host+overlap-6.5g"
 # and "gpu+host+overlap-1g" a little less than dev at fraction 0.5 (7.4 GiB beyond host,
-# 1.4 beyond gpu+host).
+# 1.4 beyond gpu+host); "gpu+host+overlap-1.75g" fills the rest of dev's peak at 0.5 (1g
+# peaked 880 MiB below it on 2026-12-02, and each GiB of window adds about one to the peak).
 OVERLAP = "+overlap"
 MODES.update(
     {
@@ -132,6 +133,21 @@ MODES.update(
         "host+overlap-6.5g": [*MODES["host"], "--stream-optimizer-state-overlap-gb", "6.5"],
         "gpu+host+overlap": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "6.6"],
         "gpu+host+overlap-1g": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "1"],
+        "gpu+host+overlap-1.75g": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "1.75"],
+        "gpu+host+overlap-1.75g-d6": [
+            *MODES["gpu+host"],
+            "--stream-optimizer-state-overlap-gb",
+            "1.75",
+            "--stream-optimizer-state-buckets-in-flight",
+            "6",
+        ],
+        "gpu+host+overlap-1.75g-d4": [
+            *MODES["gpu+host"],
+            "--stream-optimizer-state-overlap-gb",
+            "1.75",
+            "--stream-optimizer-state-buckets-in-flight",
+            "4",
+        ],
         "disk+overlap": [*MODES["disk"], "--stream-optimizer-state-overlap-gb", "13"],
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
     }
