@@ -85,8 +85,7 @@ class BucketGraphs:
         if failed is not None:
             raise RuntimeError(f"not converting: {failed}") from failed
         if not enabled:
-            convert()
-            self.eager += 1
+            self._eagerly(convert)
             return
         held = self._graphs.get(slot)
         if held is not None and held[0] == key:
@@ -96,19 +95,21 @@ class BucketGraphs:
             return
         if self._last_key.get(slot) != key:
             self._last_key[slot] = key
-            convert()
-            self.eager += 1
+            self._eagerly(convert)
             return
         with on_device(device):
             graph = self._capture(device, convert)
-            if graph is None:
-                convert()
-                self.eager += 1
+            if graph is None:  # graphs just turned off (see _capture)
+                self._eagerly(convert)
                 return
             self._graphs[slot] = (key, graph)  # replaces the graph of the addresses before
             self.captures += 1
             graph.replay()
         self.replays += 1
+
+    def _eagerly(self, convert: Callable[[], None]) -> None:
+        convert()
+        self.eager += 1
 
     def _capture(self, device: torch.device, convert: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         global enabled, failed
