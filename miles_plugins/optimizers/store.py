@@ -249,7 +249,7 @@ class StreamingStore:
         pool of their own (``step/graphs.py``), which this does not count again, and
         the remainder encoder's exception slots stay allocated (``fused.ExceptionSlots``:
         8 KiB per encoder run of the largest bucket, 2 bytes per 1024 elements of a run
-        beyond 4M), not counted either: about 200 KiB at 7.6B."""
+        beyond 4M), not counted either: about 200 KiB at 7.6B (and as much pinned host memory)."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
         scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0

@@ -7,6 +7,7 @@ the interpreted tests run them)."""
 
 import random
 
+import pytest
 import torch
 
 from miles_plugins.optimizers.formats import fused
@@ -61,3 +62,8 @@ def test_counts_and_slots_share_one_buffer_without_overlap_and_read_back_togethe
         counts, found = slots.read_back(40)
         assert counts.tolist() == slots.counts.tolist() and counts[2, width - 1] == 5
         assert found.numel() == 40 and bool((found == 7).all())
+        slots.counts.zero_()  # later launches: the snapshot stays as read
+        slots.found.zero_()
+        assert counts[2, width - 1] == 5 and bool((found == 7).all())
+        with pytest.raises(ValueError, match="101 slots read back from 100"):
+            slots.read_back(101)

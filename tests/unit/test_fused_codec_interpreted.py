@@ -181,6 +181,41 @@ def _check_packed() -> None:
     fused.exception_capacity = default
 
 
+def _check_shared_slots_keep_earlier_exceptions() -> None:
+    """As the codec encodes bucket after bucket into one ``ExceptionSlots``: the
+    exceptions a bucket's encoding returned are its own, not views of the slots or of
+    their host snapshot, so the next bucket's encoding (an overflow and its fallback
+    included) leaves them as they were."""
+    slots = fused.ExceptionSlots()
+
+    def bucket(seed: int, sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        mains = [torch.randn(n, generator=torch.Generator().manual_seed(seed + n)) for n in sizes]
+        for main in mains:
+            main.view(torch.int32)[::5] = (main.view(torch.int32)[::5] & ~0xFFFF) | 0x18000  # ties
+        return mains, [m.bfloat16() for m in mains]
+
+    applies, capacity = fused.applies, fused.exception_capacity
+    fused.applies = lambda t: True
+    try:
+        mains_a, params_a = bucket(1, [4096, 300, 70001])
+        expected = remainder.encode_many([m.clone() for m in mains_a], params_a)
+        encoding = remainder.Encoding([m.clone() for m in mains_a], params_a, slots)
+        encoding.launch()
+        found_a = encoding.finish()
+        snapshot = [(e.index.clone(), e.high.clone()) for e in found_a]
+        fused.exception_capacity = lambda n: 64  # bucket b overflows: its fallback reads back again
+        mains_b, params_b = bucket(2, [4096, 300, 70001])
+        encoding = remainder.Encoding([m.clone() for m in mains_b], params_b, slots)
+        encoding.launch()
+        encoding.finish()
+    finally:
+        fused.applies, fused.exception_capacity = applies, capacity
+    for e, a, (index, high) in zip(expected, found_a, snapshot, strict=True):
+        assert len(e) > 0
+        assert torch.equal(a.index, index) and torch.equal(a.high, high)
+        assert torch.equal(a.index, e.index) and torch.equal(a.high, e.high)
+
+
 def _check_buckets_entries_together() -> None:
     """``*_many`` as the codec calls them for a bucket, the packing forced on (on the CPU
     it never applies): entries of partial blocks alone, the others packed in two groups;
@@ -274,6 +309,7 @@ if __name__ == "__main__":
     _check_exception_overflow()
     _check_packed()
     _check_buckets_entries_together()
+    _check_shared_slots_keep_earlier_exceptions()
     # Runs of two chunks: an entry of 8 chunks takes four runs, overflowing or not.
     fused._MAX_RUN_CHUNKS = 2
     _check_remainder(70001)

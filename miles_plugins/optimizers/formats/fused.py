@@ -518,17 +518,19 @@ class ExceptionSlots:
     largest bucket's :func:`slots_needed` at its first encode), so that the addresses
     repeat from step to step and a CUDA graph can hold the encoder's launches: 8 bytes
     per slot and 128 per run, so 8 KiB per run of up to 4M elements and 2 bytes per
-    1024 elements beyond, on the device and again in host memory."""
+    1024 elements beyond, on the device and again in host memory (pinned for a CUDA
+    buffer: torch's pinned allocator rounds that up to a power of two, 256 KiB at 7.6B,
+    and keeps it cached after :meth:`release`)."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None  # int64: `rows` rows of counts (as int32), then the slots
-        self.host: torch.Tensor | None = None  # the buffer's copy on the host (pinned for a CUDA buffer)
+        self.host: torch.Tensor | None = None  # read_back's snapshot of it (pinned for a CUDA buffer)
         self.rows = 0
         self.width = _MAX_RUN_CHUNKS  # counts per row, as at the buffer's allocation (tests shrink it)
 
     @property
     def counts(self) -> torch.Tensor:
-        """int32, a row of ``_MAX_RUN_CHUNKS`` per run (a view of the buffer)."""
+        """int32, a row of :attr:`width` counts per run (a view of the buffer)."""
         return self._counts(self.buffer)
 
     @property
@@ -549,7 +551,7 @@ class ExceptionSlots:
         where the present one falls short (at a new address: the sizes enter :meth:`key`)."""
         if device.type == "cuda" and device.index is None:  # as a tensor's device reads
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.buffer is not None and self.buffer.device == device:
+        if self.buffer is not None and self.buffer.device == device and self.width == _MAX_RUN_CHUNKS:
             if self.rows >= rows and self.found.numel() >= total:
                 return
             rows, total = max(rows, self.rows), max(total, self.found.numel())
@@ -559,17 +561,18 @@ class ExceptionSlots:
         self.host = torch.empty_like(self.buffer, device="cpu", pin_memory=device.type == "cuda")
 
     def read_back(self, used: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every run's counts and the first ``used`` slots, on the host (views of the host
-        copy, valid until the next call): one copy, after everything queued on the
-        device's current stream, which this waits for."""
+        """Every run's counts and the first ``used`` slots, as they are once everything
+        queued on the device's current stream has run (this waits for it): views of a
+        snapshot in host memory, taken in one copy and valid until the next call."""
+        if used > self.found.numel():
+            raise ValueError(f"{used} slots read back from {self.found.numel()}")
         n = self._words + used
         if self.buffer.is_cuda:
             self.host[:n].copy_(self.buffer[:n], non_blocking=True)
             torch.cuda.current_stream(self.buffer.device).synchronize()
-            host = self.host
-        else:
-            host = self.buffer  # already on the host (Triton's interpreter)
-        return self._counts(host), host[self._words : n]
+        else:  # Triton's interpreter: a snapshot all the same, so later launches leave it be
+            self.host[:n].copy_(self.buffer[:n])
+        return self._counts(self.host), self.host[self._words : n]
 
     def key(self) -> tuple | None:
         """What a CUDA graph of launches into these slots depends on."""
@@ -578,7 +581,7 @@ class ExceptionSlots:
         return self.buffer.data_ptr(), self.rows, self.buffer.numel()
 
     def nbytes(self) -> int:
-        """Device bytes (the host copy takes as many)."""
+        """Device bytes (the host snapshot takes as many, before the pinned allocator's rounding)."""
         return 0 if self.buffer is None else self.buffer.nbytes
 
     def release(self) -> None:
@@ -590,7 +593,8 @@ class RemainderEncoding:
     """The fused remainder encoder over several mains at once (a bucket's), in two
     halves: :meth:`launch` queues every kernel and reads nothing back, so that a CUDA
     graph can hold it; :meth:`finish` then reads back every run's counts and exceptions
-    (one copy to the host, whatever the count of runs), and completes any
+    (one copy to the host, whatever the count of runs; one more per run resumed after
+    an overflow), and completes any
     run that overflowed its slots.
 
     A run is a single entry's chunks (``geometric_chunks``, up to ``_MAX_RUN_CHUNKS``)
