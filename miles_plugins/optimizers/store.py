@@ -313,11 +313,13 @@ class StreamingStore:
         walked = False
         graphs = self._pipeline.codec.graphs
         replays, eager = graphs.replays, graphs.eager
+        graphs.take_eager_slots()  # those of conversions outside steps (a checkpoint's reads, say)
         try:
             self._pipeline.walk(update, stats, defer=self._window.deferred())
             # Added, not set: the walk's stats (the prefetched buckets' included) count none.
             stats.conversions_replayed += graphs.replays - replays
             stats.conversions_eager += graphs.eager - eager
+            stats.eager_slots = tuple(graphs.take_eager_slots())
             walked = True
             # Last: fp32-native params are updated in place, with no copy to roll back to.
             if self._resident_optimizer is not None:
@@ -608,12 +610,18 @@ def _persistence(store: StreamingStore, codec: Codec, backend: AdamBackend, topo
     )
 
 
+_EAGER_SLOTS_LOGGED = 4  # the step's log line names this many eager conversions, then counts the rest
+
+
 def _log_step(steps_taken: int, stats: StepStats) -> None:
     graphs = ""
     if stats.conversions_replayed or stats.conversions_eager:
+        slots = [f"{direction} {bucket}" for direction, bucket in stats.eager_slots[:_EAGER_SLOTS_LOGGED]]
+        more = len(stats.eager_slots) - len(slots)
+        which = f" ({', '.join(slots)}{f' and {more} more' if more else ''})" if slots else ""
         graphs = (
             f"; conversions: {stats.conversions_replayed} replayed from CUDA graphs (captures included),"
-            f" {stats.conversions_eager} eager"
+            f" {stats.conversions_eager} eager{which}"
         )
     logger.info(
         "streamed optimizer step %d: %d buckets, read %.1f MB, wrote %.1f MB in %.3f s%s",

@@ -157,6 +157,7 @@ def _record_each_step(training, out: str) -> None:
                     conversions={
                         "replayed": sum(s.last_step.conversions_replayed for s in stores),
                         "eager": sum(s.last_step.conversions_eager for s in stores),
+                        "eager_slots": [f"{d} {b}" for s in stores for d, b in s.last_step.eager_slots],
                     },
                 )
             with open(out, "a") as f:

@@ -331,6 +331,8 @@ def test_a_stores_steps_replay_graphs_and_give_the_eager_steps_bytes(monkeypatch
         assert store.total.conversions_replayed + store.total.conversions_eager == len(grads) * conversions
         last = eager_store.last_step
         assert (last.conversions_replayed, last.conversions_eager) == (0, conversions)
+        assert store.last_step.eager_slots == ()  # and which: none, then every bucket's two
+        assert sorted(last.eager_slots) == sorted((d, b.index) for d in ("decode", "encode") for b in store.buckets)
         for k, (a, b) in enumerate(zip(eager, replayed, strict=True)):
             assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b, strict=True)), k
     finally:

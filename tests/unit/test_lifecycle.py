@@ -379,7 +379,7 @@ def test_a_step_reports_its_conversions_replayed_and_eager(tmp_path, monkeypatch
 
     monkeypatch.setattr(codec, "_run", through_the_graphs)
     conversions = 2 * len(streamed.store.buckets)
-    counted = []
+    counted, slots = [], []
     for step in range(3):
         _backward(model, step)
         with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.store"):
@@ -387,7 +387,15 @@ def test_a_step_reports_its_conversions_replayed_and_eager(tmp_path, monkeypatch
         optimizer.zero_grad()
         last = streamed.store.last_step
         counted.append((last.conversions_replayed, last.conversions_eager))
+        slots.append(last.eager_slots)
     assert counted[0][0] == 0 and counted[0][1] > 0  # the first step: every bucket seen anew
+    # Which ran eagerly, each once: the first step's, none after.
+    assert len(set(slots[0])) == len(slots[0]) == counted[0][1] and slots[1:] == [(), ()]
+    buckets = range(len(streamed.store.buckets))
+    assert all(direction in ("decode", "encode") and bucket in buckets for direction, bucket in slots[0])
+    first = [r.getMessage() for r in caplog.records if "streamed optimizer step 1:" in r.getMessage()][0]
+    named = ", ".join(f"{d} {b}" for d, b in slots[0][:4])
+    assert f"{counted[0][1]} eager ({named} and {counted[0][1] - 4} more)" in first
     assert counted[1:] == [(conversions, 0), (conversions, 0)]  # captured, then replayed
     total = streamed.store.total
     assert (total.conversions_replayed, total.conversions_eager) == (2 * conversions, counted[0][1])

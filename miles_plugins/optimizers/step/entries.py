@@ -48,7 +48,9 @@ class StepStats:
     on CUDA with the fused kernels, replayed from the codec's CUDA graphs (a graph's
     capture and first replay included) or run eagerly (``step/graphs.py``: eager
     where the bucket's tensors moved since its last conversion); 0 and 0 where
-    nothing is converted or the kernels do not serve."""
+    nothing is converted or the kernels do not serve. ``eager_slots``: which ran
+    eagerly, as ("decode" or "encode", bucket index), each once (one step's: ``add``
+    leaves it out of a sum)."""
 
     buckets: int = 0
     bytes_read: int = 0
@@ -56,6 +58,7 @@ class StepStats:
     seconds: float = 0.0
     conversions_replayed: int = 0
     conversions_eager: int = 0
+    eager_slots: tuple = ()
 
     def add(self, other: StepStats) -> None:
         self.buckets += other.buckets

@@ -75,6 +75,8 @@ class BucketGraphs:
         self.captures = 0
         self.replays = 0
         self.eager = 0
+        # The slots run eagerly since the last take_eager_slots(), in order, each once.
+        self._eager_slots: dict[Hashable, None] = {}
 
     def run(self, slot: Hashable, key: Hashable, device: torch.device, convert: Callable[[], None]) -> None:
         """``convert()`` of tensors on the CUDA ``device``, queued on its current stream:
@@ -85,7 +87,7 @@ class BucketGraphs:
         if failed is not None:
             raise RuntimeError(f"not converting: {failed}") from failed
         if not enabled:
-            self._eagerly(convert)
+            self._eagerly(slot, convert)
             return
         held = self._graphs.get(slot)
         if held is not None and held[0] == key:
@@ -95,21 +97,28 @@ class BucketGraphs:
             return
         if self._last_key.get(slot) != key:
             self._last_key[slot] = key
-            self._eagerly(convert)
+            self._eagerly(slot, convert)
             return
         with on_device(device):
             graph = self._capture(device, convert)
             if graph is None:  # graphs just turned off (see _capture)
-                self._eagerly(convert)
+                self._eagerly(slot, convert)
                 return
             self._graphs[slot] = (key, graph)  # replaces the graph of the addresses before
             self.captures += 1
             graph.replay()
         self.replays += 1
 
-    def _eagerly(self, convert: Callable[[], None]) -> None:
+    def _eagerly(self, slot: Hashable, convert: Callable[[], None]) -> None:
         convert()
         self.eager += 1
+        self._eager_slots[slot] = None
+
+    def take_eager_slots(self) -> list[Hashable]:
+        """The slots that converted eagerly since the last call (each once, first run
+        first), forgotten here: which buckets' tensors keep moving."""
+        slots, self._eager_slots = list(self._eager_slots), {}
+        return slots
 
     def _capture(self, device: torch.device, convert: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         global enabled, failed
