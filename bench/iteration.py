@@ -32,7 +32,8 @@ it; a window's writes are submitted only at the next forward, so none is waited 
 The codec's conversions (``conversions``): how many of the store's bucket decodes and
 encodes, from the third iteration on, replayed from its CUDA graphs and how many ran
 eagerly (``StepStats``; "auto-8bit" keeps every bucket in the gpu home in its stored
-forms, so its step is the codec and Adam).
+forms, so its step is the codec and Adam), and in how many of those iterations each
+eager one ran so (``eager_slots``: "decode 3", say).
 
 Host memory: the host's ``MemAvailable`` is sampled every half second through each run
 (``tests.gpu.host_sampler``); ``host_taken_gb`` is its fall at the run's worst.
@@ -70,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from tests.gpu.host_sampler import HostSampler
@@ -243,7 +245,9 @@ def _conversions(probe: list[dict]) -> dict | None:
     counted = [r["conversions"] for r in probe if "conversions" in r]
     if not counted:
         return None
-    return {kind: sum(c[kind] for c in counted) for kind in ("replayed", "eager")}
+    summed = {kind: sum(c[kind] for c in counted) for kind in ("replayed", "eager")}
+    slots = Counter(slot for c in counted for slot in c.get("eager_slots", ()))  # records since 2026-12-02
+    return {**summed, "eager_slots": dict(sorted(slots.items()))} if slots else summed
 
 
 def _host_taken(run: dict) -> float | None:

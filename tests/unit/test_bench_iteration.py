@@ -112,6 +112,15 @@ def test_the_summary_counts_the_codecs_conversions_from_the_third_iteration():
     assert iteration.summarize({"disk-8bit": run})["disk-8bit"]["conversions"] == {"replayed": 22, "eager": 2}
 
 
+def test_the_summary_counts_in_how_many_iterations_each_conversion_ran_eagerly():
+    run = _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1])
+    eager = [["decode 0", "encode 0"], ["decode 0"], ["decode 0", "encode 5"], ["encode 5"], []]
+    for record, slots in zip(run["probe"], eager, strict=True):
+        record["conversions"] = {"replayed": 8 - len(slots), "eager": len(slots), "eager_slots": slots}
+    conversions = iteration.summarize({"auto-8bit": run})["auto-8bit"]["conversions"]
+    assert conversions == {"replayed": 21, "eager": 3, "eager_slots": {"decode 0": 1, "encode 5": 2}}
+
+
 def test_an_overlap_mode_is_judged_against_its_twin_and_a_disk_mode_against_its_drive():
     runs = {
         "resident": _run([9.0, 5.0, 2.0, 2.0, 2.0], [3.0, 3.0, 0.1, 0.1, 0.1]),
