@@ -505,20 +505,22 @@ def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(
 
     config = {**config, "bucket_cap_elements": 500}  # small buckets: the failure comes after some updates
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
-    real = pipeline_module.StateAccounting.materialize
+    real = pipeline_module.Pipeline.fetch
     calls = {"n": 0}
 
-    def failing_materialize(self, t):
-        # Simulated device out-of-memory, after some buckets were updated.
+    def failing_fetch(self, index, *args, **kwargs):
+        # Simulated device out-of-memory, after some buckets were updated (the gpu home's
+        # fp32 buckets allocate nothing: theirs share the home's bytes).
         calls["n"] += 1
-        if calls["n"] == 14:  # bucket 4 of 6: buckets 0 and 1 are updated by then
+        if calls["n"] == 5:  # bucket 4 of 6: buckets 0 and 1 are updated by then
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return real(self, t)
+        return real(self, index, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", failing_materialize)
+    monkeypatch.setattr(pipeline_module.Pipeline, "fetch", failing_fetch)
     with pytest.raises(torch.OutOfMemoryError):
         optimizer.step()
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", real)
+    assert calls["n"] == 5
+    monkeypatch.setattr(pipeline_module.Pipeline, "fetch", real)
     with pytest.raises(StoreUnusableError, match=f"holds no consistent state: .*{why}"):
         optimizer.step()
     streamed.close()

@@ -564,3 +564,50 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
     state = [by_param[id(p)] for p in model.parameters()]
     assert_same_training((ref_params, ref_state), ([p.detach().clone() for p in model.parameters()], state))
     streamed.close()
+
+
+def test_the_gpu_homes_fp32_state_is_updated_in_its_own_bytes_with_no_copy(tmp_path, monkeypatch):
+    """fp32 mains and moments in the gpu home share the home's bytes for their bucket's
+    update (``BufferHandle.view_of``): after the step that creates the moments (they
+    are copied in once), no step reads or writes a gpu-home tensor, the training is the
+    resident reference's byte for byte, and between steps no tensor holds the home's
+    memory (each got its own empty storage back)."""
+    from miles_plugins.optimizers.homes.backings import BufferHandle
+
+    copies = {"read": 0, "write": 0}
+    for name in copies:
+        original = getattr(BufferHandle, name)
+
+        def counted(self, offset, tensor, staging, _original=original, _name=name):
+            if self.shared:
+                copies[_name] += 1
+            return _original(self, offset, tensor, staging)
+
+        monkeypatch.setattr(BufferHandle, name, counted)
+    ref = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
+    model = Net(torch.bfloat16, True)
+    optimizer = torch.optim.AdamW(groups(model))
+    config = StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, gpu_budget_bytes=1 << 30)
+    streamed = StreamedOptimizer(optimizer, config)
+    store = streamed.store
+    assert store.placement["gpu"] == len(store.buckets) >= 4
+    scheduler = schedule(optimizer)
+    per_step = []
+    for step in range(STEPS):
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        between_steps(optimizer, scheduler, step)
+        per_step.append(dict(copies))
+        streamed_mains = [
+            e.main for b in store.buckets if b.streams_main for e in (store.entries[i] for i in b.entry_indices)
+        ]
+        homes = [buffer.untyped_storage() for buffer in store._backing.by_key["gpu"].buffers.values()]
+        assert all(m.untyped_storage().nbytes() == 0 for m in streamed_mains), step
+        assert not any(m.untyped_storage().data_ptr() == h.data_ptr() for m in streamed_mains for h in homes)
+    assert per_step[0]["read"] == 0 and per_step[0]["write"] > 0  # the new moments, copied in once
+    assert all(counts == per_step[0] for counts in per_step[1:]), per_step  # then nothing at all
+    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
+    state = [by_param[id(p)] for p in model.parameters()]
+    assert_same_training(ref, ([p.detach().clone() for p in model.parameters()], state))
+    streamed.close()

@@ -63,6 +63,10 @@ class FileHandle:
         staging.tensor[n:span].zero_()  # the alignment padding, kept deterministic
         pwrite_full(self.write_fd, self.write_path, offset, staging.view[:span], self._align)
 
+    def view_of(self, offset: int, tensor: torch.Tensor) -> None:
+        """Files hold no tensor to share (see ``BufferHandle.view_of``)."""
+        return None
+
     def _span(self, n: int) -> int:
         return align_up(n) if self.direct else n
 
@@ -199,15 +203,28 @@ class BufferHandle:
     streams (see :class:`PipelinedEngine`). ``read`` / ``write`` copy on the current stream
     (returning once the bytes are there for host memory; device-to-device
     copies are queued like any kernel); ``read_async`` / ``write_async`` queue
-    a non-blocking copy on the current stream."""
+    a non-blocking copy on the current stream. ``shared``: :meth:`view_of` lends the
+    buffer's bytes to tensors on its device (the gpu home's)."""
 
     io_queue = 0
 
-    def __init__(self, buffer: torch.Tensor, name: str, on_caller_stream: bool = False, dma: bool = False) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, name: str, on_caller_stream: bool = False, dma: bool = False, shared: bool = False
+    ) -> None:
         self.buffer = buffer
         self.read_path = self.write_path = name
         self.on_caller_stream = on_caller_stream
         self.dma = dma
+        self.shared = shared
+
+    def view_of(self, offset: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The buffer's bytes from ``offset`` as a tensor of ``tensor``'s dtype and shape,
+        where the buffer lends them (``shared``) and lives on ``tensor``'s device; else
+        None (the caller copies)."""
+        if not self.shared or self.buffer.device != tensor.device:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        return self.buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
 
     def read(self, offset: int, dst: torch.Tensor, staging: HostMemory | None) -> None:
         dst.copy_(self.buffer[offset : offset + dst.numel()])
@@ -276,8 +293,9 @@ class HostBacking:
 
 class DeviceBacking:
     """The state in one buffer per bucket in the compute device's memory (the
-    ``gpu`` home): a step's reads and writes are device-to-device copies, with no
-    PCIe transfer and no drive. The buffer holds the stored format, so a bucket
+    ``gpu`` home): a step updates fp32-stored tensors in the buffer itself (their
+    tensors share its bytes for the bucket's visit) and copies the others in and
+    out on the device, with no PCIe transfer and no drive. The buffer holds the stored format, so a bucket
     here costs its stored size between steps and computes exactly as anywhere
     else. One copy, written in place, as the host home.
 
@@ -323,8 +341,11 @@ class DeviceBacking:
 
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
         # Device-to-device copies go on the caller's stream: ordered with the update
-        # and with the caching allocator's reuse of freed bucket memory.
-        return BufferHandle(self._buffer(bucket), f"<device memory of bucket {bucket.index}>", True)
+        # and with the caching allocator's reuse of freed bucket memory. Where a tensor's
+        # stored form is its fp32 bytes, the step updates it in the buffer instead
+        # (``view_of``; the pipeline's fetch), with no copy at all.
+        name = f"<device memory of bucket {bucket.index}>"
+        return BufferHandle(self._buffer(bucket), name, on_caller_stream=True, shared=True)
 
     @property
     def offloaded(self) -> bool:

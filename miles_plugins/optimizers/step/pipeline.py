@@ -4,7 +4,8 @@ A bucket in flight is a :class:`Flight`. :meth:`Pipeline.walk` takes every
 bucket through
 
     fetch    materialize its fp32 mains and moments, read their stored bytes
-             (the engine), decode them in place;
+             (the engine), decode them in place; or, where the home lends its
+             bytes and they are the fp32 values (the gpu home), share them;
     visit    the caller's work on the materialized bucket (the Adam update);
     store    encode in place and submit the writes (the engine);
     retire   wait for the writes, release the bucket's device memory.
@@ -70,7 +71,9 @@ def leading_fit(buckets: Sequence[BucketLayout], nbytes: int) -> list[BucketLayo
 @dataclass
 class StateAccounting:
     """The store's own count of optimizer-state bytes materialized on the device
-    (mains and moments of the buckets in flight). Accounting, not a measurement:
+    (mains and moments of the buckets in flight; not those that share their home's
+    bytes, which take no memory of their own: ``Flight.shared``). Accounting, not a
+    measurement:
     the allocator's figure (``torch.cuda.max_memory_allocated``) also holds
     Adam's temporaries and conversion scratch. Each tensor counts once until
     released, however often it is materialized."""
@@ -82,6 +85,9 @@ class StateAccounting:
     def materialize(self, t: torch.Tensor) -> None:
         """Give ``t`` its storage (a no-op for one that already has it) and count it."""
         nbytes = t.numel() * t.element_size()
+        if t.storage_offset() or t.untyped_storage().nbytes() > nbytes:
+            # A view into more (a home's bytes it still shares): resizing would resize those.
+            raise RuntimeError(f"not materializing a tensor that shares a larger storage ({t.shape}, {t.dtype})")
         if t.untyped_storage().nbytes() != nbytes:
             t.untyped_storage().resize_(nbytes)
         self.adopt(t)
@@ -104,7 +110,10 @@ class Flight:
     """One bucket between its fetch and its retirement.
 
     ``converts`` are (segment name, entry, tensor) a read fills in their stored
-    format, to be decoded once it is done.
+    format, to be decoded once it is done. ``shared`` are the tensors that share
+    their home's bytes for the visit instead of a copy (the gpu home's fp32-stored
+    ones: ``BufferHandle.view_of``), each with a detached alias of the (empty)
+    storage it had, which it gets back when the flight is released.
     """
 
     bucket: BucketLayout
@@ -117,6 +126,7 @@ class Flight:
     # encoding, until ``land()`` submits them.
     held: tuple[list[Transfer], torch.cuda.Event | None] | None = None
     converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    shared: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def tensors(self, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
         """(segment name, fp32 tensor) of entry ``k``: its main (unless the bucket's
@@ -212,8 +222,10 @@ class Pipeline:
                 if mains_only:
                     self._make_room(ahead, writing)
                     current = self._open(index, in_place=True)
-                    for _, main in (t for k in range(len(current.entries)) for t in current.tensors(k, False)):
-                        self.accounting.materialize(main)
+                    for k in range(len(current.entries)):
+                        for name, main in current.tensors(k, False):
+                            if not self._share(current, name, k, main):
+                                self.accounting.materialize(main)
                 else:
                     # This bucket and the next ones, waiting for every write but the newest: this
                     # update (and its write) queue behind the write still running, so the writing
@@ -346,7 +358,8 @@ class Pipeline:
         """Materialize bucket ``index``'s mains (and moments) and submit their reads
         (``beside_training``: between steps, see ``PipelinedEngine``). A stored
         format other than fp32 lands in the first bytes of the tensor's own
-        storage, decoded in place by :meth:`finish_fetch`."""
+        storage, decoded in place by :meth:`finish_fetch`; an fp32 one the home
+        lends (the gpu home's) is shared instead (:meth:`_share`)."""
         if self._landing(index):
             self.land(through=index)  # a bucket is read only after its last write has landed
         flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
@@ -355,11 +368,13 @@ class Pipeline:
             for k in range(len(flight.entries)):
                 for name, tensor in flight.tensors(k, moments):
                     segment = flight.bucket.segments[name]
+                    stats.bytes_read += segment.entry_nbytes[k]
+                    if self._share(flight, name, k, tensor):
+                        continue  # its home's bytes: nothing to read
                     self.accounting.materialize(tensor)
                     if self.codec.converts(segment, tensor):
                         flight.converts.append((name, k, tensor))
                     transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
-                    stats.bytes_read += segment.entry_nbytes[k]
             # The engine's copies wait for everything queued on this stream so far:
             # fresh blocks from the caching allocator may still be in use there.
             flight.reads = self.engine.read(flight.handle, transfers, self._ready_event(), beside_training)
@@ -389,10 +404,12 @@ class Pipeline:
             for name, tensor in flight.tensors(k, moments)
         ]
         self.codec.encode(flight.bucket, items)
+        shared = {id(tensor) for tensor, _ in flight.shared}
         transfers: list[Transfer] = []
         for segment, k, tensor, _ in items:
-            transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
             stats.bytes_written += segment.entry_nbytes[k]
+            if id(tensor) not in shared:  # a shared tensor was updated in its home's bytes
+                transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
         # The engine copies on its own streams (its threads', or its copy streams for
         # pinned host memory), after the update and the encoding queued on this one.
         if submit:
@@ -452,7 +469,27 @@ class Pipeline:
         self._release(flight)  # before it leaves: an interrupt then cannot leak its memory
         writing.popleft()
 
+    def _share(self, flight: Flight, name: str, k: int, tensor: torch.Tensor) -> bool:
+        """Give ``tensor`` (entry ``k``'s, of segment ``name``) its home's bytes, where the
+        home lends them, its stored form is its fp32 bytes, and it holds no values of its
+        own (a main Megatron built is written to the home from its own storage, once);
+        False where it must be materialized and copied instead."""
+        segment = flight.bucket.segments[name]
+        if self.codec.converts(segment, tensor) or tensor.untyped_storage().nbytes():
+            return False
+        view = flight.handle.view_of(segment.entry_offsets[k], tensor)
+        if view is None:
+            return False
+        flight.shared.append((tensor, tensor.detach()))  # first: a release then restores it
+        tensor.data = view
+        return True
+
     def _release(self, flight: Flight) -> None:
+        # The shared tensors first get their own (empty) storage back: the home's must
+        # never be resized or freed through them.
+        for tensor, own in flight.shared:
+            tensor.data = own
+        flight.shared.clear()
         for entry in flight.entries:
             if flight.bucket.streams_main:  # else the main is an fp32 param, which stays
                 self.accounting.release(entry.main)
