@@ -512,7 +512,7 @@ def test_where_no_roll_back_is_possible_the_store_refuses_to_go_on(
         # Simulated device out-of-memory, after some buckets were updated (the gpu home's
         # fp32 buckets allocate nothing: theirs share the home's bytes).
         calls["n"] += 1
-        if calls["n"] == 5:  # bucket 4 of 6: buckets 0 and 1 are updated by then
+        if calls["n"] == 5:  # the fifth bucket: buckets 0 and 1 are updated by then
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real(self, index, *args, **kwargs)
 

@@ -568,10 +568,11 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
 
 def test_the_gpu_homes_fp32_state_is_updated_in_its_own_bytes_with_no_copy(tmp_path, monkeypatch):
     """fp32 mains and moments in the gpu home share the home's bytes for their bucket's
-    update (``BufferHandle.view_of``): after the step that creates the moments (they
-    are copied in once), no step reads or writes a gpu-home tensor, the training is the
-    resident reference's byte for byte, and between steps no tensor holds the home's
-    memory (each got its own empty storage back)."""
+    update (``BufferHandle.view_of``): the setup writes the mains into the home through
+    them (no copy), the first step copies in only the moments it creates (two per
+    entry), later steps copy nothing, the training is the resident reference's byte
+    for byte, and between steps no main or moment holds memory of its own nor the
+    home's (each got its own empty storage back), the home's buffers unchanged in size."""
     from miles_plugins.optimizers.homes.backings import BufferHandle
 
     copies = {"read": 0, "write": 0}
@@ -591,6 +592,12 @@ def test_the_gpu_homes_fp32_state_is_updated_in_its_own_bytes_with_no_copy(tmp_p
     streamed = StreamedOptimizer(optimizer, config)
     store = streamed.store
     assert store.placement["gpu"] == len(store.buckets) >= 4
+    assert copies == {"read": 0, "write": 0}  # the setup's mains went into the home through shared views
+    buffers = store._backing.by_key["gpu"].buffers
+    sizes = {i: b.untyped_storage().nbytes() for i, b in buffers.items()}
+    entries = [
+        (store.entries[i], b, store._pipeline.optimizers[b.index]) for b in store.buckets for i in b.entry_indices
+    ]
     scheduler = schedule(optimizer)
     per_step = []
     for step in range(STEPS):
@@ -599,15 +606,59 @@ def test_the_gpu_homes_fp32_state_is_updated_in_its_own_bytes_with_no_copy(tmp_p
         optimizer.zero_grad()
         between_steps(optimizer, scheduler, step)
         per_step.append(dict(copies))
-        streamed_mains = [
-            e.main for b in store.buckets if b.streams_main for e in (store.entries[i] for i in b.entry_indices)
-        ]
-        homes = [buffer.untyped_storage() for buffer in store._backing.by_key["gpu"].buffers.values()]
-        assert all(m.untyped_storage().nbytes() == 0 for m in streamed_mains), step
-        assert not any(m.untyped_storage().data_ptr() == h.data_ptr() for m in streamed_mains for h in homes)
-    assert per_step[0]["read"] == 0 and per_step[0]["write"] > 0  # the new moments, copied in once
+        # Mains but an fp32 param's (its own main, in the model), and every moment.
+        mains = [entry.main for entry, bucket, _ in entries if bucket.streams_main]
+        moments = [t for entry, _, opt in entries for t in opt.moments(entry.main)]
+        assert len(moments) == 2 * len(entries) and len(mains) < len(entries)
+        assert all(t.untyped_storage().nbytes() == 0 for t in mains + moments), step  # not their own, not the home's
+        assert {i: b.untyped_storage().nbytes() for i, b in buffers.items()} == sizes
+    assert per_step[0] == {"read": 0, "write": 2 * len(entries)}  # the new moments, copied in once
     assert all(counts == per_step[0] for counts in per_step[1:]), per_step  # then nothing at all
     by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
     state = [by_param[id(p)] for p in model.parameters()]
     assert_same_training(ref, ([p.detach().clone() for p in model.parameters()], state))
     streamed.close()
+
+
+@pytest.mark.parametrize(
+    "formats",
+    [{"moment_dtype": "8bit"}, {"main_storage": "remainder"}, {"moment_dtype": "bf16"}],
+    ids=["8bit-moments", "remainder-mains", "bf16-moments"],
+)
+def test_compact_forms_beside_shared_fp32_tensors_in_the_gpu_home_train_as_in_host_memory(tmp_path, formats):
+    """A gpu-home bucket whose main or moments are stored compact (copied and converted)
+    beside fp32 ones (shared): byte for byte the training of the same formats in host
+    memory, where nothing is shared."""
+    runs = []
+    for name, budget in (("host", 0), ("gpu", 1 << 30)):
+        config = {"tier": "host", "bucket_cap_elements": CAP, "gpu_budget_bytes": budget, **formats}
+        runs.append(streamed_run(torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path / name, **config))
+    (host_params, host_state, host), (gpu_params, gpu_state, gpu) = runs
+    assert gpu.store.placement["host"] == 0 and host.store.placement["gpu"] == 0
+    assert_same_training((host_params, host_state), (gpu_params, gpu_state))
+    host.close()
+    gpu.close()
+
+
+def test_a_tensor_that_still_shares_a_home_is_never_resized_through():
+    """``StateAccounting.materialize`` refuses a view into a larger storage (a home's
+    bytes): resizing its storage would resize the home."""
+    from miles_plugins.optimizers.step.pipeline import StateAccounting
+
+    home = torch.arange(64, dtype=torch.uint8)
+    tensor = torch.empty(4)
+    tensor.data = home[16:32].view(torch.float32)
+    with pytest.raises(RuntimeError, match="shares a larger storage"):
+        StateAccounting().materialize(tensor)
+    assert home.untyped_storage().nbytes() == 64 and torch.equal(home, torch.arange(64, dtype=torch.uint8))
+
+
+def test_a_home_lends_its_bytes_only_when_shared_and_on_the_tensors_device():
+    from miles_plugins.optimizers.homes.backings import BufferHandle
+
+    buffer = torch.zeros(8192, dtype=torch.uint8)
+    tensor = torch.empty(16)
+    view = BufferHandle(buffer, "home", shared=True).view_of(4096, tensor)
+    assert view.data_ptr() == buffer.data_ptr() + 4096 and view.shape == tensor.shape and view.dtype == torch.float32
+    assert BufferHandle(buffer, "host memory").view_of(4096, tensor) is None  # not lent
+    assert BufferHandle(buffer, "home", shared=True).view_of(4096, torch.empty(16, device="meta")) is None

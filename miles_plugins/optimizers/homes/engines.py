@@ -324,7 +324,8 @@ class PipelinedEngine:
         if handle.on_caller_stream:
             # Copies on the caller's stream (the gpu home's buffers, on the device or, after
             # to_host, in host memory): one per tensor (chunks exist for staging, which these skip;
-            # a 1.14B gpu home's step queued 1632 copies, 408 now).
+            # a 1.14B gpu home's step queued 1632 copies, then 408; its fp32 tensors now share
+            # the home's bytes instead, see Pipeline._share, and only compact forms copy).
             for offset, tensor in transfers:
                 op(offset, tensor, None)
             return Ticket()

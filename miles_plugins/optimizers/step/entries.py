@@ -43,7 +43,8 @@ class Entry:
 class StepStats:
     """What one step (or all steps, summed) moved and how long it took. The bytes are
     the stored state the step read and wrote, whatever each bucket's home: a drive's
-    traffic is the disk buckets' share (``StreamingStore.home_bytes``).
+    traffic is the disk buckets' share (``StreamingStore.home_bytes``), and the gpu
+    home's fp32 state, updated in the home's own bytes, is counted though no copy moves it.
     ``conversions_replayed`` and ``conversions_eager``: a bucket's decodes and encodes
     on CUDA with the fused kernels, replayed from the codec's CUDA graphs (a graph's
     capture and first replay included) or run eagerly (``step/graphs.py``: eager

@@ -197,8 +197,9 @@ class Pipeline:
         module docstring), adding what moved to ``stats``.
 
         ``mains_only``: nothing is read; each bucket's mains are materialized
-        for ``visit`` to fill, and written back to the slot they were read
-        from (rewriting mains outside a step; the moments stay as they are).
+        (or share their home's bytes: :meth:`_share`) for ``visit`` to fill, and
+        written back to the slot they were read from (rewriting mains outside a
+        step; the moments stay as they are).
         ``defer``: indices of buckets whose writes wait for :meth:`land` (they stay
         materialized, outside the ``depth`` count, in :attr:`landing` once the walk is done).
         The deferred writes of the walk before may still be landing: each is waited for
@@ -301,7 +302,8 @@ class Pipeline:
 
     @contextlib.contextmanager
     def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
-        """Bucket ``index`` materialized and read (one at a time), released afterwards."""
+        """Bucket ``index`` materialized and read, or sharing its home's bytes (one at a
+        time), released afterwards."""
         flight = self.fetch(index, StepStats(), moments)
         wait_s = self.io_timeout_s
         try:
