@@ -250,7 +250,32 @@ def _model(params: int, device: torch.device) -> tuple[list[torch.Tensor], list[
     return tensors, grads
 
 
-def _sync(device: torch.device) -> None:
+def streamed_store(params: list[torch.Tensor], grads: list[torch.Tensor], config, **adamw):
+    """A ``StreamingStore`` over bf16 ``params`` with their fixed fp32 ``grads``: one entry
+    each, its main released until the store fills it from the param, stepped by
+    AdamW(``adamw``)."""
+    from miles_plugins.optimizers.step.adam import backend_for
+    from miles_plugins.optimizers.step.entries import Entry
+    from miles_plugins.optimizers.store import StreamingStore
+
+    entries = []
+    for p in params:
+        main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        main.untyped_storage().resize_(0)
+        entries.append(Entry(param=p, main=main, group_index=0))
+    grad_of = {id(e.main): g for e, g in zip(entries, grads, strict=True)}
+    master = torch.optim.AdamW([e.main for e in entries], **adamw)
+    return StreamingStore(
+        entries,
+        backend_for(master),
+        config,
+        grad_fn=lambda e: grad_of[id(e.main)],
+        copy_to_model=lambda e: e.param.copy_(e.main),
+        init_main=lambda p, m: m.copy_(p),
+    )
+
+
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -271,12 +296,12 @@ def _timed_steps(
     for _ in range(steps):
         if before is not None:
             before()
-            _sync(device)
+            sync_device(device)
         if device.type == "cuda" and reset_peaks:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync_device(device)
         seconds.append(time.perf_counter() - start)
         if device.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated())
@@ -312,9 +337,6 @@ def _activations(mode: str, args: argparse.Namespace, device: torch.device, stor
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     from miles_plugins.optimizers.config import StreamConfig
-    from miles_plugins.optimizers.step.adam import backend_for
-    from miles_plugins.optimizers.step.entries import Entry
-    from miles_plugins.optimizers.store import StreamingStore
 
     device = torch.device(args.device)
     if mode in AUTO_MODES and device.type == "cuda":
@@ -374,17 +396,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         def between() -> None:
             start = time.perf_counter()
             offload_for_forward()
-            _sync(device)
+            sync_device(device)
             forward_seconds.append(time.perf_counter() - start)
 
     else:
-        entries = []
-        for p in params:
-            main = torch.empty(p.shape, dtype=torch.float32, device=device)
-            main.untyped_storage().resize_(0)
-            entries.append(Entry(param=p, main=main, group_index=0))
-        grad_of = {id(e.main): g for e, g in zip(entries, grads, strict=True)}
-        master = torch.optim.AdamW([e.main for e in entries], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
         config = StreamConfig(
             directory=args.dir,
             name=f"bench-{os.getpid()}",
@@ -394,14 +409,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             **_settings(mode, args.params),
             **(_auto_margins(args) if mode in AUTO_MODES else {}),
         )
-        store = StreamingStore(
-            entries,
-            backend_for(master),
-            config,
-            grad_fn=lambda e: grad_of[id(e.main)],
-            copy_to_model=lambda e: e.param.copy_(e.main),
-            init_main=lambda p, m: m.copy_(p),
-        )
+        store = streamed_store(params, grads, config, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
         step = store.step
         out.update(
             buckets=len(store.buckets),
@@ -421,7 +429,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         if mode in AUTO_MODES:
             between()  # a forward/backward before the first step, whose peak auto sizes the GPU home by
         step()  # the warm-up step: creates the moments (and loads the kernels)
-        _sync(device)
+        sync_device(device)
         rss_warm = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM restarts from here: the peak of the timed steps alone

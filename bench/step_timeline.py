@@ -37,9 +37,8 @@ from collections import defaultdict
 import torch
 
 from bench.codec import gpt_entries
+from bench.optimizer_step import streamed_store, sync_device
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
-from miles_plugins.optimizers.step.adam import backend_for
-from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 
 GIB = 1 << 30
@@ -88,14 +87,10 @@ def summarize(events: list[dict], gaps: int = 8) -> list[dict]:
 def _store(args: argparse.Namespace, directory: str, device: torch.device) -> tuple[StreamingStore, int]:
     sizes = gpt_entries(args.layers, args.hidden, vocab=args.vocab, seq=args.seq)
     g = torch.Generator(device=device).manual_seed(0)
-    entries, grads = [], {}
+    params, grads = [], []
     for n in sizes:
-        param = (torch.randn(n, generator=g, device=device) * 0.02).bfloat16()
-        main = torch.empty(n, dtype=torch.float32, device=device)
-        main.untyped_storage().resize_(0)  # the store materializes it
-        entries.append(Entry(param=param, main=main, group_index=0))
-        grads[id(main)] = torch.randn(n, generator=g, device=device) * 1e-3
-    master = torch.optim.AdamW([e.main for e in entries], lr=1e-4)
+        params.append((torch.randn(n, generator=g, device=device) * 0.02).bfloat16())
+        grads.append(torch.randn(n, generator=g, device=device) * 1e-3)
     config = StreamConfig(
         directory=directory,
         name="timeline",
@@ -105,20 +100,7 @@ def _store(args: argparse.Namespace, directory: str, device: torch.device) -> tu
         buckets_in_flight=args.depth,
         bucket_cap_elements=args.bucket_cap,
     )
-    store = StreamingStore(
-        entries,
-        backend_for(master),
-        config,
-        grad_fn=lambda e: grads[id(e.main)],
-        copy_to_model=lambda e: e.param.copy_(e.main),
-        init_main=lambda p, m: m.copy_(p),
-    )
-    return store, sum(sizes)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return streamed_store(params, grads, config, lr=1e-4), sum(sizes)
 
 
 def timeline(args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
@@ -138,11 +120,11 @@ def timeline(args: argparse.Namespace, device: torch.device) -> tuple[dict, dict
             steps = []
             for i in range(args.steps + 1):
                 profiled = i == args.steps
-                _sync(device)
+                sync_device(device)
                 start = time.perf_counter()
                 with profile(activities=activities) if profiled else contextlib.nullcontext() as prof:
                     stats = store.step()
-                    _sync(device)
+                    sync_device(device)
                 seconds = time.perf_counter() - start
                 steps.append(
                     {
