@@ -118,6 +118,14 @@ class BucketLayout:
         main, if it streams one, and both moments)."""
         return self.numel * MAIN_DTYPE.itemsize * len(self.segments)
 
+    @property
+    def converted_bytes(self) -> int:
+        """Of :attr:`materialized_bytes`, those a step still materializes where the
+        bucket's home lends its bytes (the ``gpu`` home): the segments whose stored form
+        is not fp32 (remainder mains, bf16 or 8-bit moments), decoded into fp32 of their own."""
+        converted = sum(1 for s in self.segments.values() if s.blockwise or s.dtype != MAIN_DTYPE)
+        return self.numel * MAIN_DTYPE.itemsize * converted
+
 
 def layout_store(
     entries: Sequence[tuple[int, int, Hashable, bool]],

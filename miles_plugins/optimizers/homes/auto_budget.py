@@ -303,7 +303,10 @@ class AutoGpuBudget:
       offload (when the rollout before ran more than one step: with one, the moves
       would cost what the step saves).
     - After every other step: when free is below the margin by more than an eighth
-      of it, buckets go back until it is not.
+      of it, buckets go back until it is not, each counted by what it frees at the
+      step's peak (``StreamingStore.move_from_gpu_home``). A bucket of the home takes
+      no memory in flight (it shares its fp32 bytes), so one given back while fewer
+      buckets stream than fit in flight frees little: growth gives back several.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
@@ -468,7 +471,7 @@ class AutoGpuBudget:
         deficit = self.margin - free
         if deficit <= self.margin // 8:
             return False  # allocator rounding, or too little to matter yet: it adds up until it is not
-        freed = 0
+        freed, held = 0, sum(s.placement["gpu"] for s in stores)
         for home in reversed(DEVICE_FILL_ORDER):  # host ones first: a step streams them back cheaper
             for store in stores:  # the first store's device buckets are the first a step visits
                 if freed < deficit:
@@ -479,10 +482,11 @@ class AutoGpuBudget:
             stuck = sum(s.placed.setup_gpu_bytes for s in stores)
             logger.warning(
                 "auto GPU budget: %.2f GB free, %.2f GB short of the %.1f GB margin (a larger batch, another "
-                "process); gave %.2f GB of buckets back to their host or disk homes%s",
+                "process); gave %d buckets back to their host or disk homes, freeing %.2f GB at the step's peak%s",
                 max(free, 0) / GB,
                 deficit / GB,
                 self.margin / GB,
+                held - sum(s.placement["gpu"] for s in stores),
                 freed / GB,
                 ""
                 if freed >= deficit
