@@ -150,6 +150,48 @@ MODES.update(
             "--stream-optimizer-state-buckets-in-flight",
             "4",
         ],
+        # Dev's memory at 0.5 spent on a larger gpu home instead of the window: the step is
+        # bound by its writes to host memory (6.3 GB at about 52 GB/s, 2026-12-02), and each
+        # GiB in the home takes one off them (and off the reads), where the window's reads at
+        # the walk's start take none off them.
+        "gpu8.15+host-d6": [
+            *STREAM,
+            "--stream-optimizer-state-tier",
+            "host",
+            "--stream-optimizer-state-gpu-budget-gb",
+            "8.15",
+            "--stream-optimizer-state-buckets-in-flight",
+            "6",
+        ],
+        "gpu7.4+host+overlap-0.75g-d6": [
+            *STREAM,
+            "--stream-optimizer-state-tier",
+            "host",
+            "--stream-optimizer-state-gpu-budget-gb",
+            "7.4",
+            "--stream-optimizer-state-buckets-in-flight",
+            "6",
+            "--stream-optimizer-state-overlap-gb",
+            "0.75",
+        ],
+        # At dev's peak at 0.5 (52.9-54.2 GB over calls): 6.9 GiB in the home with four in
+        # flight, or the shipped home and a window of a few buckets' worth.
+        "gpu6.9+host-d4": [
+            *STREAM,
+            "--stream-optimizer-state-tier",
+            "host",
+            "--stream-optimizer-state-gpu-budget-gb",
+            "6.9",
+            "--stream-optimizer-state-buckets-in-flight",
+            "4",
+        ],
+        "gpu+host+overlap-0.5g-d6": [
+            *MODES["gpu+host"],
+            "--stream-optimizer-state-overlap-gb",
+            "0.5",
+            "--stream-optimizer-state-buckets-in-flight",
+            "6",
+        ],
         "disk+overlap": [*MODES["disk"], "--stream-optimizer-state-overlap-gb", "13"],
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
     }

@@ -662,3 +662,101 @@ def test_a_home_lends_its_bytes_only_when_shared_and_on_the_tensors_device():
     assert view.data_ptr() == buffer.data_ptr() + 4096 and view.shape == tensor.shape and view.dtype == torch.float32
     assert BufferHandle(buffer, "host memory").view_of(4096, tensor) is None  # not lent
     assert BufferHandle(buffer, "home", shared=True).view_of(4096, torch.empty(16, device="meta")) is None
+
+
+@pytest.mark.parametrize(
+    "config, lent_from_step",
+    [
+        ({"gpu_budget_bytes": 1 << 30}, 1),  # fp32 in the gpu home: lent once the moments exist
+        ({"gpu_budget_bytes": 1 << 30, "moment_dtype": "8bit"}, None),  # 8-bit moments are decoded
+        ({"gpu_budget_bytes": 1 << 30, "main_storage": "remainder"}, None),  # so are remainder mains
+        ({}, None),  # host memory lends nothing
+    ],
+    ids=["gpu-fp32", "gpu-8bit", "gpu-remainder", "host"],
+)
+def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monkeypatch, config, lent_from_step):
+    """``Pipeline.lends_all`` decides, before a fetch, whether the bucket takes room among
+    those in flight: it must say no exactly where the fetch and the update add no
+    materialized byte (the store's own accounting), step after step."""
+    from miles_plugins.optimizers.step.pipeline import Pipeline
+
+    seen = []  # (step, bucket, foreseen, accounted bytes the fetch and the update added)
+    fetch, update = Pipeline.fetch, None
+
+    def watched_fetch(self, index, stats, *args, **kwargs):
+        foreseen = self.lends_all(index)
+        before = self.accounting.current
+        flight = fetch(self, index, stats, *args, **kwargs)
+        seen.append([len(steps), index, foreseen, self.accounting.current - before])
+        return flight
+
+    monkeypatch.setattr(Pipeline, "fetch", watched_fetch)
+    steps = []
+    model = Net(torch.bfloat16, True)
+    optimizer = torch.optim.AdamW(groups(model))
+    streamed = StreamedOptimizer(
+        optimizer, StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, **config)
+    )
+    store = streamed.store
+    update = store._update
+
+    def watched_update(flight):
+        before = store._pipeline.accounting.current
+        update(flight)
+        seen[-1 - next(i for i, s in enumerate(reversed(seen)) if s[1] == flight.bucket.index)][3] += (
+            store._pipeline.accounting.current - before
+        )
+
+    monkeypatch.setattr(store, "_update", watched_update)
+    seen.clear()  # the setup's writes of the mains
+    for step in range(3):
+        loss_fn(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append(step)
+    assert {(s, b) for s, b, *_ in seen} == {(s, b.index) for s in range(3) for b in store.buckets}
+    for step, index, foreseen, added in seen:
+        assert foreseen == (added == 0), (step, index, foreseen, added)
+        expected = lent_from_step is not None and step >= lent_from_step and store.buckets[index].streams_main
+        assert foreseen == expected or not store.buckets[index].streams_main, (step, index, foreseen)
+    streamed.close()
+
+
+def test_buckets_that_share_their_homes_bytes_are_not_held_up_behind_earlier_writes(tmp_path, monkeypatch):
+    """The gpu home's buckets (the walk's last) take no room among the buckets in flight
+    (depth 2): they are fetched, and updated, while the host buckets' writes before them
+    are still running; the training is the reference's."""
+    from miles_plugins.optimizers.step.pipeline import Pipeline
+
+    events = []
+    fetch, retire = Pipeline.fetch, Pipeline._retire_oldest
+
+    def watched_fetch(self, index, *args, **kwargs):
+        events.append(("fetch", index))
+        return fetch(self, index, *args, **kwargs)
+
+    def watched_retire(self, writing):
+        events.append(("retire", writing[0].bucket.index))
+        return retire(self, writing)
+
+    monkeypatch.setattr(Pipeline, "fetch", watched_fetch)
+    monkeypatch.setattr(Pipeline, "_retire_oldest", watched_retire)
+    sizer = StreamedOptimizer(
+        torch.optim.AdamW(groups(Net(torch.bfloat16, True))),
+        StreamConfig(directory=str(tmp_path / "sizes"), tier="host", bucket_cap_elements=CAP),
+    )
+    last_two = sum(b.file_size for b in sizer.store.buckets[-2:])
+    sizer.close()
+    config = {"tier": "host", "bucket_cap_elements": CAP, "gpu_budget_bytes": last_two, "buckets_in_flight": 2}
+    events.clear()
+    params, state, streamed = streamed_run(torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path / "run", **config)
+    homes = streamed.store.placed.homes
+    first_gpu = homes.index("gpu")
+    assert homes[first_gpu:] == ["gpu"] * 2 and first_gpu >= 2
+    walks = [i for i, e in enumerate(events) if e == ("fetch", 0)]
+    last = events[walks[-2] : walks[-1]]  # the last step's walk (then iter_state's reads), every moment made
+    # Both are fetched before the host writes ahead of them are waited for: two materialized
+    # buckets would have had to wait for the one before the last host bucket's.
+    assert last.index(("fetch", len(homes) - 1)) < last.index(("retire", first_gpu - 2)), last
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), (params, state))
+    streamed.close()

@@ -140,6 +140,10 @@ class FileBacking:
         """Whether a step writes the bucket to a spare slot (the live state stays until commit)."""
         return bucket.index not in self.one_slot
 
+    def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
+        """Files and host memory lend no bytes to device tensors (``DeviceBacking.lends``)."""
+        return False
+
     def path(self, bucket: BucketLayout, slot: int | None = None) -> str:
         """The file of ``slot`` (default: the committed one; a one-slot bucket's only file)."""
         slot = self.committed if slot is None else slot
@@ -266,6 +270,10 @@ class HostBacking:
     def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
         return False
 
+    def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
+        """Files and host memory lend no bytes to device tensors (``DeviceBacking.lends``)."""
+        return False
+
     def open(self, bucket: BucketLayout, in_place: bool = True) -> BufferHandle:
         memory = self.buffers[bucket.index]
         return BufferHandle(memory.tensor, f"<host memory of bucket {bucket.index}>", dma=memory.pinned)
@@ -333,6 +341,11 @@ class DeviceBacking:
 
     def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
         return False
+
+    def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
+        """Whether :meth:`open`'s handle lends the bucket's bytes to tensors on ``device``
+        (``BufferHandle.view_of``): not while the buffers are offloaded to host memory."""
+        return bucket.index not in self._offloaded and self.device == device
 
     def _buffer(self, bucket: BucketLayout) -> torch.Tensor:
         if bucket.index in self._unallocated:

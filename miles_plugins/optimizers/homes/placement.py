@@ -322,6 +322,10 @@ class PlacedBacking:
         """Whether the bucket has a spare to fill while its live state stays (disk, two slots)."""
         return self._of(bucket).keeps_previous_state_of(bucket)
 
+    def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
+        """Whether the bucket's place lends its bytes to tensors on ``device`` (the gpu home)."""
+        return self._of(bucket).lends(bucket, device)
+
     def file_backing(self, bucket: BucketLayout):
         """The files of a disk bucket (``FileBacking``)."""
         return self._of(bucket)

@@ -113,7 +113,9 @@ class Flight:
     format, to be decoded once it is done. ``shared`` are the tensors that share
     their home's bytes for the visit instead of a copy (the gpu home's fp32-stored
     ones: ``BufferHandle.view_of``), each with a detached alias of the (empty)
-    storage it had, which it gets back when the flight is released.
+    storage it had, which it gets back when the flight is released. ``holds_memory``:
+    False for a bucket whose every tensor shares its home's bytes (``Pipeline.lends_all``):
+    it takes no room among the ``depth`` buckets in flight.
     """
 
     bucket: BucketLayout
@@ -127,6 +129,7 @@ class Flight:
     held: tuple[list[Transfer], torch.cuda.Event | None] | None = None
     converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     shared: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    holds_memory: bool = True
 
     def tensors(self, k: int, moments: bool = True) -> list[tuple[str, torch.Tensor]]:
         """(segment name, fp32 tensor) of entry ``k``: its main (unless the bucket's
@@ -364,7 +367,9 @@ class Pipeline:
         lends (the gpu home's) is shared instead (:meth:`_share`)."""
         if self._landing(index):
             self.land(through=index)  # a bucket is read only after its last write has landed
+        holds_memory = not self.lends_all(index)  # before any tensor shares: then they hold its bytes
         flight = self._open(index, in_place=False)  # nothing materialized yet if this fails
+        flight.holds_memory = holds_memory
         try:
             transfers: list[Transfer] = []
             for k in range(len(flight.entries)):
@@ -374,6 +379,7 @@ class Pipeline:
                     if self._share(flight, name, k, tensor):
                         continue  # its home's bytes: nothing to read
                     self.accounting.materialize(tensor)
+                    flight.holds_memory = True  # lends_all foresees this; counted whatever it said
                     if self.codec.converts(segment, tensor):
                         flight.converts.append((name, k, tensor))
                     transfers.append((segment.entry_offsets[k], stored_bytes(tensor, segment)))
@@ -428,14 +434,32 @@ class Pipeline:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def lends_all(self, index: int) -> bool:
+        """Whether fetching bucket ``index`` (mains and moments) materializes nothing:
+        every tensor will share its home's bytes (:meth:`_share`: stored as fp32 in a
+        home that lends them, moments the optimizer already made, no values of their own)."""
+        bucket = self.buckets[index]
+        if bucket.converted_bytes or not self.backing.lends(bucket, self.device):
+            return False
+        optimizer = self.optimizers[index]
+        for i in bucket.entry_indices:
+            main = self.entries[i].main
+            state = optimizer.moments(main)
+            if state is None:  # the step creates them: memory of their own
+                return False
+            tensors = [main, *state] if bucket.streams_main else state
+            if any(t.untyped_storage().nbytes() for t in tensors):
+                return False
+        return True
+
     def _make_room(
         self, ahead: deque[Flight], writing: deque[Flight], room: int | None = None, wait: bool = True
     ) -> bool:
         """Retire the oldest writes until another bucket may be materialized (at most
-        ``room`` in flight, default ``depth``); False when the buckets in flight are
-        all still being read or computed, or (without ``wait``) the oldest write is
-        still running."""
-        while len(ahead) + len(writing) >= (room or self.depth):
+        ``room`` holding memory in flight, default ``depth``; buckets that share their
+        home's bytes take none); False when the buckets in flight are all still being
+        read or computed, or (without ``wait``) the oldest write is still running."""
+        while sum(f.holds_memory for f in ahead) + sum(f.holds_memory for f in writing) >= (room or self.depth):
             if not writing or not (wait or writing[0].writes is None or writing[0].writes.done()):
                 return False
             self._retire_oldest(writing)
@@ -457,7 +481,9 @@ class Pipeline:
         finish only with ``wait``)."""
         started = (ahead[-1].bucket.index + 1) if ahead else first
         for index in range(started, min(last, len(self.buckets) - 1) + 1):
-            if not self._make_room(ahead, writing, room, wait):
+            # A bucket that shares its home's bytes needs no room: it is not held up behind
+            # the writes of the buckets before it (the gpu home's, after the host ones').
+            if not self.lends_all(index) and not self._make_room(ahead, writing, room, wait):
                 return
             ahead.append(self.fetch(index, stats, beside_training=beside_training))
 
