@@ -186,14 +186,7 @@ class StreamingStore:
             )
             self._window = OverlapWindow(config.overlap_bytes, self.buckets, self.placed, self._pipeline)
             self._gpu_home = GpuHome(
-                self.placed,
-                self._backing,
-                self.buckets,
-                self._engine,
-                self._pipeline,
-                self._device,
-                self._settle,
-                config.depth,
+                self.placed, self._backing, self.buckets, self._engine, self._pipeline, self._device, self._settle
             )
             master_options = backend.master.param_groups if checkpoint_master_options else None
             self._persistence = _persistence(self, codec, backend, topology, param_layout, master_options)
@@ -377,9 +370,7 @@ class StreamingStore:
 
     def move_from_gpu_home(self, nbytes: int, home: str) -> int:
         """Give buckets of the ``gpu`` home whose place below is ``home`` back to it until
-        ``nbytes`` are freed at the step's peak (``placement.move_from_device_home``: the
-        home's bytes, less what the step then materializes more in flight); returns the
-        bytes so freed."""
+        ``nbytes`` are freed (``placement.move_from_device_home``); returns the bytes freed."""
         return self._gpu_home.move_out(nbytes, home)
 
     def _update(self, flight: Flight) -> None:

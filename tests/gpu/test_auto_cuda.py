@@ -5,10 +5,10 @@ A bf16 MLP of six 2048x2048 layers, one bucket each (50 MB stored). The process 
 capped with ``set_per_process_memory_fraction`` where about three buckets fit beyond
 the margin; from step GROW_AT on, the process keeps three buckets more allocated (a
 larger batch's buffers, a cache), so the margin at the peak falls short and buckets go
-back. A bucket in the home shares its bytes with the step, so the first given back
-frees nothing at the step's peak (it streams through the device instead) and more
-go back than the growth alone asks for, in one go. Judged against an independent
-resident run of the same model and batches.
+back. A bucket in the home shares its bytes with the step, so where the step sets
+the peak (it does here: the activations are small) one given back is materialized
+in flight at the next step instead, and more follow over the next steps. Judged
+against an independent resident run of the same model and batches.
 """
 
 import pytest
@@ -23,7 +23,8 @@ pytestmark = [
     pytest.mark.usefixtures("deterministic_cuda"),
 ]
 
-WIDTH, LAYERS, STEPS, GROW_AT = 2048, 6, 10, 5
+WIDTH, LAYERS, STEPS, GROW_AT = 2048, 6, 12, 5
+DEPTH = 3  # buckets in flight (the default)
 MARGIN = 256 << 20
 
 
@@ -73,6 +74,7 @@ def test_the_allocator_sizes_the_gpu_home_and_a_larger_batch_gets_buckets_back(t
         bucket_cap_elements=WIDTH * WIDTH,
         gpu_budget_bytes="auto",
         auto_gpu_margin_bytes=MARGIN,
+        buckets_in_flight=DEPTH,
     )
     streamed = StreamedOptimizer(optimizer, config)
     store = streamed.store
@@ -101,10 +103,12 @@ def test_the_allocator_sizes_the_gpu_home_and_a_larger_batch_gets_buckets_back(t
     assert placements[0] == fits and 1 <= fits < LAYERS, (placements, fits, free_at_fill)
     # Three buckets of growth less what the step no longer has in flight (one bucket: the home's
     # share their bytes) less what the fill left beyond the margin (under a bucket) is more than an
-    # eighth of the margin: buckets go back, more than one (the first streams through the device
-    # at the step: it frees nothing there), and no allocation failed.
-    assert placements[GROW_AT] <= fits - 2, placements
-    assert placements[-1] == placements[GROW_AT], placements  # covered in one go: nothing more moves
+    # eighth of the margin: buckets go back, two or more in all (each given back streams through
+    # the device at the next step), within as many steps as buckets fit in flight; then nothing
+    # moves, and no allocation failed.
+    settled = placements[-1]
+    assert placements[GROW_AT] < fits and settled <= fits - 2, placements
+    assert all(p == settled for p in placements[GROW_AT + DEPTH :]), placements
     del grown
     got = [p.detach().cpu() for p in model.parameters()]
     assert all(same_bytes(a, b) for a, b in zip(want, got, strict=True))

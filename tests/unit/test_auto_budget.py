@@ -31,45 +31,33 @@ GiB = 1 << 30
 
 class SimulatedDevice:
     """What ``CudaMemory`` reads from the CUDA allocator, modelled as it behaves: a
-    device of ``total`` bytes on which an interval uses the activity, plus what
-    ``held()`` says the gpu home keeps there, plus what the watched stores' steps
-    materialize in flight (:meth:`in_flight`); the allocator keeps what it reserved
+    device of ``total`` bytes on which a forward/backward uses the activity plus what
+    ``held()`` says the gpu home keeps there; the allocator keeps what it reserved
     (cached) until :meth:`release_cache`, and :meth:`new_interval` restarts the peak
     from what is reserved then, cache included, as ``reset_peak_memory_stats`` does."""
 
     def __init__(self, headroom: int, activity: int = 10 * GiB) -> None:
         self.total, self.activity = activity + headroom, activity
         self.held = lambda: 0
-        self._stores = []
-        self.first_in_flight = 0
+        self.step = lambda: 0  # what a step uses beside the home, where it sets the peak (steps_set_the_peak)
         self._reserved = self._peak = activity
 
-    def watch(self, *stores) -> None:
-        """Place the ``stores``' homes here and count their steps' buckets in flight. The
-        device is larger by what a first step has in flight (everything streams then):
-        ``headroom`` stays the room beyond a first step's peak."""
-        self.held = lambda: sum(store.home_bytes["gpu"] for store in stores)
-        self._stores = list(stores)
-        self.first_in_flight = self.in_flight()
-        self.total += self.first_in_flight
-        stores[0].auto_gpu.memory = self
+    def steps_set_the_peak(self, store) -> None:
+        """From now on ``store``'s steps use the activity (grads, Adam's temporaries: what
+        forward and backward leave) plus its buckets in flight: the ``depth`` largest, each
+        its fp32 state, but a bucket of the gpu home only its converted segments (its fp32
+        ones share the home's bytes: ``Pipeline._share``)."""
 
-    def in_flight(self) -> int:
-        """The most a step materializes at once, as the stores' steps behave: ``depth``
-        buckets in flight, each its fp32 state, except that a bucket of the gpu home
-        shares the home's bytes for its fp32-stored segments (``Pipeline._share``). The
-        stores step one after another; summed, this overstates."""
-        total = 0
-        for store in self._stores:
-            sizes = [
-                b.converted_bytes if store.placed.homes[b.index] == "gpu" else b.materialized_bytes
-                for b in store.buckets
-            ]
-            total += sum(sorted(sizes, reverse=True)[: store.config.depth])
-        return total
+        def step() -> int:
+            homes = store.placed.homes
+            sizes = [b.converted_bytes if homes[b.index] == "gpu" else b.materialized_bytes for b in store.buckets]
+            return self.activity + sum(sorted(sizes, reverse=True)[: store.config.depth])
+
+        self.step = step
 
     def peak(self) -> int:
-        self._reserved = max(self._reserved, self.activity + self.held() + self.in_flight())
+        # The interval's forward/backward, or its step where that uses more.
+        self._reserved = max(self._reserved, max(self.activity, self.step()) + self.held())
         self._peak = max(self._peak, self._reserved)
         return self._peak
 
@@ -85,11 +73,6 @@ class SimulatedDevice:
 
     def release_cache(self) -> None:
         self._reserved = self.held()  # only what is in use stays reserved
-
-    def freed_in_flight(self) -> int:
-        """What the steps no longer materialize since the first (buckets that moved to
-        the gpu home share its bytes): growth up to this fits without any move."""
-        return self.first_in_flight - self.in_flight()
 
     def grow(self, nbytes: int) -> None:
         """The forward/backward peak grew (a larger batch), or shrank (negative)."""
@@ -127,7 +110,8 @@ def test_buckets_move_to_the_device_after_the_first_step_and_back_when_the_peak_
     store = streamed.store
     sizes = [b.file_size for b in store.buckets]
     device = SimulatedDevice(headroom=MARGIN + sizes[-1] + sizes[-2] + sizes[-3] // 2)
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     assert store.placement["gpu"] == 0  # nobody knows the forward/backward peak before a step
     caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
     train(model, optimizer, scheduler, range(0, 1))
@@ -196,7 +180,8 @@ def _auto_over_disk_and_host(tmp_path, headroom_beyond_margin):
     store = streamed.store
     assert store.placement == {"gpu": 0, "host": 1, "disk": len(sizes) - 1}
     device = SimulatedDevice(headroom=MARGIN + headroom_beyond_margin(sizes))
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     return model, optimizer, scheduler, streamed, device
 
 
@@ -232,7 +217,8 @@ def test_stores_sharing_a_budget_give_every_disk_bucket_before_any_host_one(tmp_
     stores = [run[3].store for run in (disk_run, host_run)]
     sizes = [b.file_size for b in stores[0].buckets]
     device = SimulatedDevice(headroom=MARGIN + sum(sizes) + sizes[-1])  # the disk store's buckets, and one more
-    device.watch(*stores)
+    device.held = lambda: sum(s.home_bytes["gpu"] for s in stores)
+    stores[0].auto_gpu.memory = device
 
     def step(i):
         for model, optimizer, scheduler, _ in (disk_run, host_run):
@@ -242,14 +228,11 @@ def test_stores_sharing_a_budget_give_every_disk_bucket_before_any_host_one(tmp_
     assert stores[0].placed.homes == ["gpu"] * len(sizes)
     assert stores[1].placed.homes == ["host"] * (len(sizes) - 1) + ["gpu"]
     step(1)
-    device.grow(device.freed_in_flight() + MARGIN // 4)
+    device.grow(MARGIN // 4)  # one bucket goes back: the second store's, from host memory
     step(2)
-    # One bucket goes back: the second store's, from host memory (it streams with buckets at least
-    # as large in flight, so what it held is freed at the step's peak).
     assert stores[0].placed.homes == ["gpu"] * len(sizes) and stores[1].placed.homes == ["host"] * len(sizes)
     for i in range(3, STEPS):
         step(i)
-    assert stores[0].placed.homes == ["gpu"] * len(sizes)  # covered in one go: nothing more goes back
     for model, _, _, streamed in (disk_run, host_run):
         assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
         streamed.close()
@@ -260,16 +243,11 @@ def test_the_device_gives_host_buckets_back_before_disk_ones(tmp_path):
     homes = streamed.store.placed.homes
     train(model, optimizer, scheduler, range(0, 2))
     assert homes == ["gpu"] * len(homes)
-    # Short of the margin by more than an eighth of it, beyond what the steps no longer have in flight.
-    device.grow(device.freed_in_flight() + MARGIN // 4)
+    device.grow(MARGIN // 4)  # short of the margin by more than an eighth of it: one bucket goes back
     train(model, optimizer, scheduler, range(2, 3))
-    # The one a step streams cheapest (from host memory) first, not the first visited (from the
-    # drive); then those, first visited first, until one frees memory at the step's peak.
-    back = homes.count("disk")
-    assert homes[-1] == "host" and homes == ["disk"] * back + ["gpu"] * (len(homes) - 1 - back) + ["host"], homes
-    given_back = list(homes)
+    # The one a step streams cheapest (from host memory), not the first visited (from the drive).
+    assert homes == ["gpu"] * (len(homes) - 1) + ["host"], homes
     train(model, optimizer, scheduler, range(3, STEPS))
-    assert homes == given_back  # covered in one go
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
 
@@ -278,7 +256,8 @@ def test_growth_beyond_what_the_device_holds_gives_back_everything_and_says_so(t
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     store = streamed.store
     device = SimulatedDevice(headroom=MARGIN + 3 * max(b.file_size for b in store.buckets))
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     train(model, optimizer, scheduler, range(0, 2))
     assert len(_gpu_run(store)) >= 3
     device.grow(1 << 40)
@@ -352,20 +331,51 @@ def test_small_growth_is_noise_until_it_adds_up(tmp_path, caplog):
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     store = streamed.store
     device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total)
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     train(model, optimizer, scheduler, range(0, 1))
     everything = len(store.buckets)
     assert store.placement["gpu"] == everything
     noise = MARGIN // 8 * 3 // 4
-    device.grow(device.freed_in_flight() + noise)  # allocator rounding beyond the freed room: nothing moves
+    device.grow(noise)  # allocator rounding: nothing moves
     train(model, optimizer, scheduler, range(1, 2))
     assert store.placement["gpu"] == everything and "short of the" not in caplog.text
-    device.grow(noise)  # twice that is growth: buckets go back
+    device.grow(noise)  # twice that is growth: the first device bucket goes back
     train(model, optimizer, scheduler, range(2, 3))
-    kept = store.placement["gpu"]
-    assert 0 < kept < everything and "short of the" in caplog.text
+    assert store.placement["gpu"] == everything - 1 and "short of the" in caplog.text
     train(model, optimizer, scheduler, range(3, STEPS))
-    assert store.placement["gpu"] == kept  # covered: nothing more goes back
+    assert store.placement["gpu"] == everything - 1  # covered: nothing more goes back
+    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
+    streamed.close()
+
+
+def test_where_the_step_sets_the_peak_a_bucket_given_back_frees_less_and_more_follow(tmp_path):
+    """A bucket of the gpu home takes no memory in a step (its fp32 state shares the
+    home's bytes); given back while fewer buckets stream than fit in flight, it is
+    materialized in flight instead. Where the step sets the peak, the cover (which
+    counts a bucket by its bytes in the home) then gives more back at the next steps,
+    each within the margin, until the peak fits; then nothing moves."""
+    model, optimizer, scheduler, streamed = _auto(tmp_path, tier="host")
+    store = streamed.store
+    depth = store.config.depth
+    streamed_first = sum(sorted((b.materialized_bytes for b in store.buckets), reverse=True)[:depth])
+    device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total + streamed_first)  # room for all
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
+    device.steps_set_the_peak(store)
+    train(model, optimizer, scheduler, range(0, 1))
+    assert store.placement["gpu"] == len(store.buckets)
+    # Growth beyond the room the steps no longer take (nothing streams now), by a quarter margin.
+    device.grow(streamed_first + MARGIN // 4)
+    placements = []
+    for step in range(1, STEPS):
+        train(model, optimizer, scheduler, range(step, step + 1))
+        placements.append(store.placement["gpu"])
+        assert device.limit() - device.peak() >= 0, step  # no step went past the device
+    settled = placements[-1]
+    assert len(store.buckets) - settled > 1  # more than one bucket went back
+    assert placements.index(settled) <= depth  # within as many steps as buckets fit in flight
+    assert all(p == settled for p in placements[placements.index(settled) :])  # then nothing moves
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()
 
@@ -374,7 +384,8 @@ def _rl(tmp_path, headroom_of_state: float = 0.5):
     model, optimizer, scheduler, streamed = _auto(tmp_path)
     store = streamed.store
     device = SimulatedDevice(headroom=MARGIN + int(store.file_bytes_total * headroom_of_state))
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     return model, optimizer, scheduler, streamed, store, device
 
 
@@ -470,7 +481,8 @@ def test_room_beyond_the_margin_absorbs_growth_and_a_joining_store_does_not_stop
     model, optimizer, scheduler, streamed = _auto(tmp_path / "a", name="a")
     store = streamed.store
     device = SimulatedDevice(headroom=MARGIN + 3 * store.file_bytes_total)
-    device.watch(store)
+    device.held = lambda: store.home_bytes["gpu"]
+    store.auto_gpu.memory = device
     train(model, optimizer, scheduler, range(0, 1))
     everything = len(store.buckets)
     assert store.placement["gpu"] == everything  # all moved, twice the state still free beyond the margin

@@ -7,6 +7,7 @@ on this CPU-only machine the ``gpu`` home is the compute device's memory, the CP
 import errno
 import os
 import re
+from collections import deque
 
 import pytest
 import torch
@@ -760,3 +761,63 @@ def test_buckets_that_share_their_homes_bytes_are_not_held_up_behind_earlier_wri
     assert last.index(("fetch", len(homes) - 1)) < last.index(("retire", first_gpu - 2)), last
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), (params, state))
     streamed.close()
+
+
+def test_a_home_lends_a_bucket_only_on_the_device_and_not_while_offloaded(tmp_path):
+    """``lends`` says where a fetch may share a bucket's bytes: the gpu home, on the
+    tensors' device, not while its buffers are offloaded to host memory; host memory
+    and files never (their bytes are not where the update runs)."""
+    from miles_plugins.optimizers.homes.backings import FileBacking, HostBacking
+
+    bucket = _bucket(0, 4096)
+    home = DeviceBacking([bucket], torch.device("cpu"))
+    assert home.lends(bucket, torch.device("cpu")) and not home.lends(bucket, torch.device("meta"))
+    home.open(bucket)  # allocates the buffer
+    home.to_host(pin=False)
+    assert not home.lends(bucket, torch.device("cpu"))
+    home.to_device()
+    assert home.lends(bucket, torch.device("cpu"))
+    home.release()
+    host = HostBacking([bucket], pin=False)
+    files = FileBacking(str(tmp_path), [bucket], direct=False)
+    assert not host.lends(bucket, torch.device("cpu")) and not files.lends(bucket, torch.device("cpu"))
+    host.release()
+    files.release()
+
+
+def test_a_main_that_holds_values_of_its_own_is_not_foreseen_as_lent(tmp_path):
+    """A main with storage of its own (one Megatron built) is copied into its bucket, not
+    shared (``Pipeline._share``): ``lends_all`` must say the bucket materializes."""
+    model = Net(torch.bfloat16, True)
+    optimizer = torch.optim.AdamW(groups(model))
+    config = StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, gpu_budget_bytes=1 << 30)
+    streamed = StreamedOptimizer(optimizer, config)
+    store = streamed.store
+    loss_fn(model, 0).backward()
+    optimizer.step()  # the moments exist from here on
+    bucket = next(b for b in store.buckets if b.streams_main)
+    assert store._pipeline.lends_all(bucket.index)
+    main = store.entries[bucket.entry_indices[0]].main
+    main.untyped_storage().resize_(main.numel() * main.element_size())
+    assert not store._pipeline.lends_all(bucket.index)
+    main.untyped_storage().resize_(0)
+    assert store._pipeline.lends_all(bucket.index)
+    streamed.close()
+
+
+def test_buckets_in_flight_that_hold_no_memory_leave_room_for_one_that_does():
+    """``Pipeline._make_room`` counts the flights holding memory: with ``depth`` of them
+    in flight it retires the oldest write, with fewer (the rest sharing their home's
+    bytes) it lets the next bucket in at once."""
+    from types import SimpleNamespace
+
+    from miles_plugins.optimizers.step.pipeline import Pipeline
+
+    retired = []
+    walker = SimpleNamespace(depth=2, _retire_oldest=lambda writing: retired.append(writing.popleft()))
+    flight = lambda holds: SimpleNamespace(holds_memory=holds, writes=None)  # noqa: E731
+    shared_writes = deque([flight(False), flight(False), flight(True)])
+    assert Pipeline._make_room(walker, deque(), shared_writes) and not retired  # one holds memory: room
+    full = deque([flight(True), flight(False), flight(True)])
+    assert Pipeline._make_room(walker, deque(), full)
+    assert [f.holds_memory for f in retired] == [True] and len(full) == 2  # the oldest, then room

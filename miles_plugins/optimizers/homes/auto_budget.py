@@ -303,10 +303,12 @@ class AutoGpuBudget:
       offload (when the rollout before ran more than one step: with one, the moves
       would cost what the step saves).
     - After every other step: when free is below the margin by more than an eighth
-      of it, buckets go back until it is not, each counted by what it frees at the
-      step's peak (``StreamingStore.move_from_gpu_home``). A bucket of the home takes
-      no memory in flight (it shares its fp32 bytes), so one given back while fewer
-      buckets stream than fit in flight frees little: growth gives back several.
+      of it, buckets go back until it is not, each counted by its bytes in the home.
+      Where the step sets the peak and fewer buckets stream than fit in flight, a
+      bucket given back frees less there than that (its fp32 state shared the
+      home's bytes; now it is materialized in flight): more go back at the next
+      steps, each within the margin. Counting the other way would give back up
+      to ``depth`` buckets too many where forward and backward set the peak.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
@@ -482,7 +484,7 @@ class AutoGpuBudget:
             stuck = sum(s.placed.setup_gpu_bytes for s in stores)
             logger.warning(
                 "auto GPU budget: %.2f GB free, %.2f GB short of the %.1f GB margin (a larger batch, another "
-                "process); gave %d buckets back to their host or disk homes, freeing %.2f GB at the step's peak%s",
+                "process); gave %d buckets (%.2f GB) back to their host or disk homes%s",
                 max(free, 0) / GB,
                 deficit / GB,
                 self.margin / GB,

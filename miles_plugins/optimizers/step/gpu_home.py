@@ -43,11 +43,9 @@ class GpuHome:
         pipeline: Pipeline,
         device: torch.device,
         settle: Callable[[], None],
-        depth: int,
     ) -> None:
         self._placed, self._backing, self._buckets = placed, backing, buckets
         self._engine, self._pipeline, self._device, self._settle = engine, pipeline, device, settle
-        self._depth = depth
 
     @property
     def backing(self) -> DeviceBacking | None:
@@ -63,26 +61,8 @@ class GpuHome:
         return self._move(move_to_device_home, budget, home) if not self.offloaded else (0, False)
 
     def move_out(self, nbytes: int, home: str) -> int:
-        """``StreamingStore.move_from_gpu_home``: one bucket at a time, each counted by
-        what it frees at the step's peak. A bucket of the home shares its fp32 bytes
-        with the step (``Pipeline._share``); given back, it is materialized in flight
-        instead, so while fewer buckets stream than fit in flight, a bucket given back
-        frees only its compact forms' bytes, and the next steps would give more back."""
-        freed = 0
-        while freed < nbytes and not self.offloaded:
-            in_flight = self._in_flight_bytes()
-            moved = self._move(move_from_device_home, 1, home)
-            if not moved:
-                break
-            freed += moved - (self._in_flight_bytes() - in_flight)
-        return freed
-
-    def _in_flight_bytes(self) -> int:
-        """About the most a step materializes at once: the ``depth`` largest buckets, a
-        bucket of the home only its converted segments (``BucketLayout.converted_bytes``)."""
-        homes = self._placed.homes
-        sizes = (b.converted_bytes if homes[b.index] == "gpu" else b.materialized_bytes for b in self._buckets)
-        return sum(sorted(sizes, reverse=True)[: self._depth])
+        """``StreamingStore.move_from_gpu_home``."""
+        return self._move(move_from_device_home, nbytes, home) if not self.offloaded else 0
 
     def _move(self, move, nbytes: int, home: str):
         self._settle()

@@ -14,9 +14,12 @@ Reads of the next buckets and writes of the previous ones overlap the current
 bucket's visit. At most ``depth`` buckets are materialized at once (the
 computing one, the ones read ahead, the ones still writing), so optimizer state
 on the device is bounded by ``depth`` times the largest bucket; the sync engine
-runs with ``depth`` 1. The walk never waits for the newest write: each bucket's
-update and write queue behind it, so the writes run back to back; a read ahead
-starts at a bucket boundary, once every write but the newest has finished.
+runs with ``depth`` 1. A bucket that materializes nothing (every tensor shares
+its home's bytes: :meth:`Pipeline.lends_all`) is not counted and waits for no
+room. The walk never waits for the newest write: each bucket's update and write
+queue behind it, so the writes run back to back; a read ahead starts at a
+bucket boundary, once every write but the newest has finished (one that
+materializes nothing, at once).
 ``prefetch()`` starts the first reads before the walk.
 
 Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
@@ -478,7 +481,7 @@ class Pipeline:
     ) -> None:
         """Start fetching buckets ``first`` to ``last``, after those in ``ahead``,
         while the buckets in flight allow it (``_make_room``, waiting for writes to
-        finish only with ``wait``)."""
+        finish only with ``wait``); one that materializes nothing needs no room."""
         started = (ahead[-1].bucket.index + 1) if ahead else first
         for index in range(started, min(last, len(self.buckets) - 1) + 1):
             # A bucket that shares its home's bytes needs no room: it is not held up behind
