@@ -175,7 +175,17 @@ MODES.update(
             "0.75",
         ],
         # At dev's peak at 0.5 (52.9-54.2 GB over calls): 6.9 GiB in the home with four in
-        # flight, or the shipped home and a window of a few buckets' worth.
+        # flight (53148 MiB, session j), 6.7 under dev's lowest peak, or the shipped home and a
+        # window of a few buckets' worth.
+        "gpu6.7+host-d4": [
+            *STREAM,
+            "--stream-optimizer-state-tier",
+            "host",
+            "--stream-optimizer-state-gpu-budget-gb",
+            "6.7",
+            "--stream-optimizer-state-buckets-in-flight",
+            "4",
+        ],
         "gpu6.9+host-d4": [
             *STREAM,
             "--stream-optimizer-state-tier",
