@@ -87,6 +87,19 @@ GPT = (
     "--eval-iters 0 --eval-interval 100000 --seed 1234 --ckpt-format torch_dist"
 ).split()
 STREAM = ["--stream-optimizer-state-to-disk"]
+
+
+def _gpu_and_host(gpu_gib: str, window: str | None = None, depth: str | None = None) -> list[str]:
+    """Our flags for ``gpu_gib`` GiB in the gpu home and the rest in host memory, with a
+    window of ``window`` GiB and ``depth`` buckets in flight where given."""
+    flags = [*STREAM, "--stream-optimizer-state-tier", "host", "--stream-optimizer-state-gpu-budget-gb", gpu_gib]
+    if window is not None:
+        flags += ["--stream-optimizer-state-overlap-gb", window]
+    if depth is not None:
+        flags += ["--stream-optimizer-state-buckets-in-flight", depth]
+    return flags
+
+
 # Our placements (after ``--offload-train-disk-dir``). "gpu+host": half the state's 13.7 GB
 # (6.4 GiB) in the gpu home, the rest in host memory.
 MODES = {
@@ -99,7 +112,7 @@ MODES = {
         "auto",
     ],
     "host": [*STREAM, "--stream-optimizer-state-tier", "host"],
-    "gpu+host": [*STREAM, "--stream-optimizer-state-tier", "host", "--stream-optimizer-state-gpu-budget-gb", "6.4"],
+    "gpu+host": _gpu_and_host("6.4"),
     "disk": [*STREAM, "--stream-optimizer-state-tier", "disk"],
     "disk-8bit": [
         *STREAM,
@@ -136,72 +149,20 @@ MODES.update(
         "gpu+host+overlap": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "6.6"],
         "gpu+host+overlap-1g": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "1"],
         "gpu+host+overlap-1.75g": [*MODES["gpu+host"], "--stream-optimizer-state-overlap-gb", "1.75"],
-        "gpu+host+overlap-1.75g-d6": [
-            *MODES["gpu+host"],
-            "--stream-optimizer-state-overlap-gb",
-            "1.75",
-            "--stream-optimizer-state-buckets-in-flight",
-            "6",
-        ],
-        "gpu+host+overlap-1.75g-d4": [
-            *MODES["gpu+host"],
-            "--stream-optimizer-state-overlap-gb",
-            "1.75",
-            "--stream-optimizer-state-buckets-in-flight",
-            "4",
-        ],
+        "gpu+host+overlap-1.75g-d6": _gpu_and_host("6.4", window="1.75", depth="6"),
+        "gpu+host+overlap-1.75g-d4": _gpu_and_host("6.4", window="1.75", depth="4"),
         # Dev's memory at 0.5 spent on a larger gpu home instead of the window: the step is
         # bound by its writes to host memory (6.3 GB at about 52 GB/s, 2026-12-02), and each
         # GiB in the home takes one off them (and off the reads), where the window's reads at
         # the walk's start take none off them.
-        "gpu8.15+host-d6": [
-            *STREAM,
-            "--stream-optimizer-state-tier",
-            "host",
-            "--stream-optimizer-state-gpu-budget-gb",
-            "8.15",
-            "--stream-optimizer-state-buckets-in-flight",
-            "6",
-        ],
-        "gpu7.4+host+overlap-0.75g-d6": [
-            *STREAM,
-            "--stream-optimizer-state-tier",
-            "host",
-            "--stream-optimizer-state-gpu-budget-gb",
-            "7.4",
-            "--stream-optimizer-state-buckets-in-flight",
-            "6",
-            "--stream-optimizer-state-overlap-gb",
-            "0.75",
-        ],
+        "gpu8.15+host-d6": _gpu_and_host("8.15", depth="6"),
+        "gpu7.4+host+overlap-0.75g-d6": _gpu_and_host("7.4", window="0.75", depth="6"),
         # At dev's peak at 0.5 (52.9-54.2 GB over calls): 6.9 GiB in the home with four in
         # flight (53148 MiB, session j), 6.7 under dev's lowest peak, or the shipped home and a
         # window of a few buckets' worth.
-        "gpu6.7+host-d4": [
-            *STREAM,
-            "--stream-optimizer-state-tier",
-            "host",
-            "--stream-optimizer-state-gpu-budget-gb",
-            "6.7",
-            "--stream-optimizer-state-buckets-in-flight",
-            "4",
-        ],
-        "gpu6.9+host-d4": [
-            *STREAM,
-            "--stream-optimizer-state-tier",
-            "host",
-            "--stream-optimizer-state-gpu-budget-gb",
-            "6.9",
-            "--stream-optimizer-state-buckets-in-flight",
-            "4",
-        ],
-        "gpu+host+overlap-0.5g-d6": [
-            *MODES["gpu+host"],
-            "--stream-optimizer-state-overlap-gb",
-            "0.5",
-            "--stream-optimizer-state-buckets-in-flight",
-            "6",
-        ],
+        "gpu6.7+host-d4": _gpu_and_host("6.7", depth="4"),
+        "gpu6.9+host-d4": _gpu_and_host("6.9", depth="4"),
+        "gpu+host+overlap-0.5g-d6": _gpu_and_host("6.4", window="0.5", depth="6"),
         "disk+overlap": [*MODES["disk"], "--stream-optimizer-state-overlap-gb", "13"],
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
     }
