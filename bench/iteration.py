@@ -89,14 +89,19 @@ GPT = (
 STREAM = ["--stream-optimizer-state-to-disk"]
 
 
-def _gpu_and_host(gpu_gib: str, window: str | None = None, depth: str | None = None) -> list[str]:
+def _gpu_and_host(
+    gpu_gib: str, window: str | None = None, depth: str | None = None, cap: str | None = None
+) -> list[str]:
     """Our flags for ``gpu_gib`` GiB in the gpu home and the rest in host memory, with a
-    window of ``window`` GiB and ``depth`` buckets in flight where given."""
+    window of ``window`` GiB, ``depth`` buckets in flight and ``cap`` elements per bucket
+    where given."""
     flags = [*STREAM, "--stream-optimizer-state-tier", "host", "--stream-optimizer-state-gpu-budget-gb", gpu_gib]
     if window is not None:
         flags += ["--stream-optimizer-state-overlap-gb", window]
     if depth is not None:
         flags += ["--stream-optimizer-state-buckets-in-flight", depth]
+    if cap is not None:
+        flags += ["--stream-optimizer-state-bucket-cap", cap]
     return flags
 
 
@@ -157,11 +162,15 @@ MODES.update(
         # the walk's start take none off them.
         "gpu8.15+host-d6": _gpu_and_host("8.15", depth="6"),
         "gpu7.4+host+overlap-0.75g-d6": _gpu_and_host("7.4", window="0.75", depth="6"),
-        # At dev's peak at 0.5 (52.9-54.2 GB over calls): 6.9 GiB in the home with four in
-        # flight (53148 MiB, session j), 6.7 under dev's lowest peak, or the shipped home and a
-        # window of a few buckets' worth.
+        # At dev's peak at 0.5 (52930-54210 MiB over calls): 6.9 GiB in the home with four in
+        # flight (12 of 23 buckets, 53148 MiB), or the shipped home and a window of a few
+        # buckets' worth. 6.7 GiB holds the same 12 buckets (2026-12-03): a bucket is a layer's
+        # 0.6 GB, so the home moves by 580 MiB of peak at a time. Half the default cap
+        # ("-cap32m") halves that step, for a home just under dev's lowest peak.
         "gpu6.7+host-d4": _gpu_and_host("6.7", depth="4"),
         "gpu6.9+host-d4": _gpu_and_host("6.9", depth="4"),
+        "gpu6.15+host-d6-cap32m": _gpu_and_host("6.15", depth="6", cap="32000000"),
+        "gpu6.35+host-d6-cap32m": _gpu_and_host("6.35", depth="6", cap="32000000"),
         "gpu+host+overlap-0.5g-d6": _gpu_and_host("6.4", window="0.5", depth="6"),
         "disk+overlap": [*MODES["disk"], "--stream-optimizer-state-overlap-gb", "13"],
         "disk-8bit+overlap": [*MODES["disk-8bit"], "--stream-optimizer-state-overlap-gb", "13"],
