@@ -162,7 +162,7 @@ MODES.update(
         # the walk's start take none off them.
         "gpu8.15+host-d6": _gpu_and_host("8.15", depth="6"),
         "gpu7.4+host+overlap-0.75g-d6": _gpu_and_host("7.4", window="0.75", depth="6"),
-        # At dev's peak at 0.5 (52930-54210 MiB over calls): 6.9 GiB in the home with four in
+        # At dev's peak at 0.5 (52930-54310 MiB over calls): 6.9 GiB in the home with four in
         # flight (12 of 23 buckets, 53148 MiB), or the shipped home and a window of a few
         # buckets' worth. 6.7 GiB holds the same 12 buckets (2026-12-03): a bucket is a layer's
         # 0.6 GB, so the home moves by 580 MiB of peak at a time. Half the default cap
