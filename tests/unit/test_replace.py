@@ -80,7 +80,8 @@ def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp
     assert child.returncode == 9, stderr[-3000:]
     ckpt = tmp_path / "ckpt"
     left = sorted(os.listdir(ckpt))
-    assert left == [".rank0.partial", ".rank0.previous", "rest.pt"], left
+    # The lock file stays too (a dead holder's flock is gone with it): the next save takes it.
+    assert left == [".rank0.partial", ".rank0.partial.lock", ".rank0.previous", "rest.pt"], left
     with caplog.at_level(logging.WARNING):
         model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
         assert streamed.load_from(str(ckpt))
@@ -107,3 +108,108 @@ def test_a_backup_left_beside_a_complete_save_is_removed_by_the_next_save(tmp_pa
     streamed.save_to(str(ckpt))
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
     streamed.close()
+
+
+def _fail_parent_fsync(monkeypatch, parent, nth: int, error: BaseException) -> list[str]:
+    """Make the ``nth`` fsync of ``parent``'s entries raise ``error`` (EIO from the drive,
+    an interrupt); returns the log of fsynced directories."""
+    real, seen = fs.fsync_dir, []
+
+    def fsync_dir(path):
+        seen.append(path)
+        if path == str(parent) and seen.count(path) == nth:
+            raise error
+        return real(path)
+
+    monkeypatch.setattr(fs, "fsync_dir", fsync_dir)
+    return seen
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "how, nth",
+    [("exchange", 1), ("fallback", 2)],
+    ids=["after-the-exchange", "after-the-fallback-s-second-rename"],
+)
+def test_a_save_whose_new_entry_cannot_be_made_durable_puts_the_previous_one_back(
+    tmp_path, monkeypatch, how, nth, fault_report
+):
+    """The parent's fsync fails (EIO) once the new save has taken the previous one's
+    place: the save raises, and the previous one is back in place, byte for byte (it
+    used to raise with the new save in place and the previous one deleted)."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 2))
+    if how == "fallback":
+        monkeypatch.setattr(fs, "_renameat2", lambda: None)
+    eio = fs.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
+    _fail_parent_fsync(monkeypatch, ckpt, nth, eio)
+    with pytest.raises(fs.StreamIOError, match="the previous directory is back in place") as raised:
+        streamed.save_to(str(ckpt))
+    monkeypatch.undo()
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the failed save's directory is removed"
+    assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
+    streamed.close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    assert streamed.load_from(str(ckpt))
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)
+    fault_report(
+        f"EIO fsyncing the checkpoint's entries once the new save is in place ({how})",
+        "the save raises and the previous save is put back",
+        f"raised {str(raised.value).split(': ', 1)[-1][:60]}...; the step-{SAVE_AT} save byte for byte, resumed "
+        "byte-identical",
+        "the save in progress (reported as failed)",
+    )
+
+
+def test_where_the_previous_save_cannot_be_put_back_the_new_one_stays_and_the_save_returns(
+    tmp_path, monkeypatch, caplog
+):
+    """EIO fsyncing the exchange, and the swap back refused too: the new save is in
+    place, complete, so the save is done (a warning says its entry may not be durable)."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
+    eio = fs.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
+    _fail_parent_fsync(monkeypatch, ckpt, 1, eio)
+
+    def refuse(a, b):
+        raise OSError(errno.EROFS, "Read-only file system", b)
+
+    monkeypatch.setattr(fs, "_exchange_back", refuse)
+    with caplog.at_level(logging.WARNING, logger="miles_plugins.optimizers.homes.fs"):
+        streamed.save_to(str(ckpt))
+    assert "putting the previous directory back failed too" in caplog.text
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    assert json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT + 1
+    streamed.close()
+
+
+@pytest.mark.fault
+def test_an_interrupt_right_after_the_exchange_keeps_the_complete_new_save(tmp_path, monkeypatch, fault_report):
+    """Ctrl-C between the exchange and its fsync: the new save is in place, complete, and
+    the cleanup leaves what the exchange put at the partial name (the previous save)
+    alone instead of taking it for the failed save's files; the next save clears it."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
+    _fail_parent_fsync(monkeypatch, ckpt, 1, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        streamed.save_to(str(ckpt))
+    monkeypatch.undo()
+    left = sorted(os.listdir(ckpt))
+    assert left == [".rank0.partial", "rank0", "rest.pt"], left
+    assert json.loads((ckpt / ".rank0.partial" / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT
+    streamed.close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    assert streamed.load_from(str(ckpt)) and streamed.store.steps_taken == SAVE_AT + 1
+    streamed.save_to(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    streamed.close()
+    fault_report(
+        "interrupt between the checkpoint exchange and its fsync",
+        "the new save is complete in place; the previous one is not taken for the failed save's files",
+        f"left {', '.join(left)}; loaded the step-{SAVE_AT + 1} save; the next save cleared the rest",
+        "none",
+    )

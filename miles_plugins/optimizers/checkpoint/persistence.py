@@ -4,6 +4,7 @@ A saved store is one directory (see ``manifest.py`` for its files)::
 
     <base_dir>/<name>/             the complete save
     <base_dir>/.<name>.partial/    a save being written (never read)
+    <base_dir>/.<name>.partial.lock held (flock) by the process writing it
     <base_dir>/.<name>.previous/   the previous save, while a replace without
                                    RENAME_EXCHANGE is under way (fs.replace_dir)
 
@@ -51,8 +52,10 @@ from miles_plugins.optimizers.homes.file_io import BlockCrc, copy_file_crc32, pw
 from miles_plugins.optimizers.homes.fs import (
     check_plain_dir,
     create_file,
+    dir_identity,
     fsync,
     fsync_dir,
+    lock_writer,
     make_dirs,
     make_private_dir,
     open_file,
@@ -60,6 +63,7 @@ from miles_plugins.optimizers.homes.fs import (
     remove_private_dir,
     replace_dir,
     require_free_space,
+    unlock_file,
 )
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.scratch import live_scratch_overlap
@@ -114,7 +118,9 @@ class Persistence:
         in one step (see the module docstring). Checks first that ``base_dir/<name>``
         is clear of every live scratch (:func:`_refuse_live_scratch`) and that
         ``base_dir`` has room for the whole save; a failure leaves the previous
-        save as it was."""
+        save as it was. Saves of one name into one directory are exclusive: the
+        lock ``base_dir/.<name>.partial.lock`` is held from the partial directory's
+        creation to the publish, and a second saver is refused naming the holder."""
         start = time.perf_counter()
         final = os.path.join(base_dir, self.name)
         _refuse_live_scratch(
@@ -124,38 +130,30 @@ class Persistence:
         )
         partial = os.path.join(base_dir, f".{self.name}.partial")
         make_dirs(base_dir)
-        remove_private_dir(partial)  # left by a save that was interrupted
-        needed = sum(b.file_size for b in self.buckets) + self._resident_bytes()
-        require_free_space(base_dir, needed, "a save of the optimizer state", "; a previous save there is kept")
-        make_private_dir(partial)
+        lock_path = f"{partial}.lock"
+        lock = lock_writer(
+            lock_path,
+            f"a save of the optimizer state {self.name} into {base_dir}",
+            "let it finish, or stop that process (a second job on the same checkpoint directory?)",
+            logger.warning,
+        )
         try:
-            files = {}
-            for bucket in self.buckets:
-                crc = BlockCrc(CRC_BLOCK_BYTES)
-                with create_file(partial, bucket.file_name) as dst:
-                    path = os.path.join(partial, bucket.file_name)
-                    self.backing.export(bucket, dst, path, self.buffer(), crc)
-                    fsync(dst, path)
-                files[bucket.file_name] = {"size": bucket.file_size, "block_crc32": crc.blocks}
-            if self.resident_optimizer is not None:
-                files[RESIDENT_FILE] = self._save_resident(partial)
-            Manifest(
-                {
-                    **self.description,
-                    "steps_taken": steps_taken,
-                    "bucket_state": [o.export_state() for o in self.bucket_optimizers],
-                    "resident_state": self.resident_optimizer.export_state() if self.resident_optimizer else None,
-                    "main_exceptions": self.codec.export() if self.remainder else None,
-                    "master_options": _options_to_json(self.master_groups) if self.master_groups else None,
-                    "files": files,
-                }
-            ).write(partial)
-            fsync_dir(partial)
-            replace_dir(partial, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                remove_private_dir(partial)
-            raise
+            remove_private_dir(partial)  # left by a save that was cut off (its lock is gone with it)
+            needed = sum(b.file_size for b in self.buckets) + self._resident_bytes()
+            require_free_space(base_dir, needed, "a save of the optimizer state", "; a previous save there is kept")
+            make_private_dir(partial)
+            ours = dir_identity(partial)
+            try:
+                files = self._write(partial, steps_taken)
+                replace_dir(partial, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    # Never what a replace put at that name: the previous save.
+                    remove_private_dir(partial, only=ours)
+                raise
+        finally:
+            if lock is not None:
+                unlock_file(lock_path, lock)
         seconds = time.perf_counter() - start
         nbytes = sum(f["size"] for f in files.values())
         logger.info(
@@ -167,6 +165,33 @@ class Persistence:
             nbytes / 1e9 / max(seconds, 1e-9),
             final,
         )
+
+    def _write(self, directory: str, steps_taken: int) -> dict[str, dict]:
+        """Write every file of a save into ``directory``, each fsynced, the manifest
+        last, then the directory's entries; returns the manifest's file table."""
+        files = {}
+        for bucket in self.buckets:
+            crc = BlockCrc(CRC_BLOCK_BYTES)
+            with create_file(directory, bucket.file_name) as dst:
+                path = os.path.join(directory, bucket.file_name)
+                self.backing.export(bucket, dst, path, self.buffer(), crc)
+                fsync(dst, path)
+            files[bucket.file_name] = {"size": bucket.file_size, "block_crc32": crc.blocks}
+        if self.resident_optimizer is not None:
+            files[RESIDENT_FILE] = self._save_resident(directory)
+        Manifest(
+            {
+                **self.description,
+                "steps_taken": steps_taken,
+                "bucket_state": [o.export_state() for o in self.bucket_optimizers],
+                "resident_state": self.resident_optimizer.export_state() if self.resident_optimizer else None,
+                "main_exceptions": self.codec.export() if self.remainder else None,
+                "master_options": _options_to_json(self.master_groups) if self.master_groups else None,
+                "files": files,
+            }
+        ).write(directory)
+        fsync_dir(directory)
+        return files
 
     def _resident_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self._resident_moments())

@@ -24,7 +24,6 @@ or EP); elsewhere resume at the new size directly.
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import signal
@@ -51,7 +50,7 @@ from miles_plugins.optimizers.homes.fs import (
     create_file,
     fsync,
     fsync_dir,
-    lock_file,
+    lock_writer,
     make_dirs,
     make_private_dir,
     open_file,
@@ -171,26 +170,12 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
     lock, owned, renamed = None, False, False  # owned: the partial output is this run's to remove
     try:
         make_dirs(parent)
-        try:
-            lock = lock_file(lock_path, 0)
-        except StreamIOError as exc:
-            if exc.errno not in _NO_FLOCK:
-                raise
-            with contextlib.suppress(OSError):
-                os.unlink(lock_path)  # nobody can hold a lock there
-            log(
-                f"warning: the filesystem under {parent} has no flock ({os.strerror(exc.errno)}): a second reshard into "
-                f"{out_dir} at the same time is not kept out; run one at a time"
-            )
-        else:
-            if lock is None:
-                raise StreamIOError(
-                    f"another reshard is writing {out_dir} (it holds {lock_path}): let it finish, or give another "
-                    "--out",
-                    out_dir,
-                    0,
-                    errno.EBUSY,
-                )
+        lock = lock_writer(
+            lock_path,
+            f"a reshard into {out_dir}",
+            "let it finish, or give another --out",
+            lambda message: log(f"warning: {message}"),
+        )
         owned = True
         if os.path.lexists(out_dir):  # written by a run that held the lock before us
             raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
@@ -238,9 +223,6 @@ def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log=print) -> 
             unlock_file(lock_path, lock)
 
 
-# Errors of flock on a filesystem that does not support it (Lustre mounted noflock, NFS
-# without a lock manager): the reshard goes on unlocked, saying so.
-_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 # Bytes allowed per new store beyond its bucket and resident files: its manifest (layout,
 # pieces, remainder exceptions), and the filesystem's rounding of each file.
 _MANIFEST_ALLOWANCE = 1 << 20

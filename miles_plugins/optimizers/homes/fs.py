@@ -24,9 +24,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from miles_plugins.optimizers.errors import StreamIOError
 
@@ -68,6 +69,55 @@ def lock_file(path: str, wait_s: float) -> int | None:
             return fd
         os.close(fd)
     raise StreamIOError(f"cannot take the lock {path}: it keeps being replaced", path, 0, errno.EAGAIN)
+
+
+# flock's errors where the filesystem has none (Lustre mounted noflock, NFS without a
+# lock manager): a writer's lock is then skipped, with a warning.
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def lock_writer(path: str, what: str, advice: str, warn: Callable[[str], None]) -> int | None:
+    """Hold the lock file ``path`` while this process does ``what`` (e.g. "a save of
+    rank0 into /ckpt"); the holder (pid and host) is written inside it. Returns
+    the fd to give :func:`unlock_file`; None where the filesystem has no flock
+    (``warn`` is told: nothing then keeps a second writer out). Raises
+    :class:`StreamIOError` (``EBUSY``) naming the holder while another process (or
+    another lock of this one) holds it; ``advice`` says what to do."""
+    try:
+        fd = lock_file(path, 0)
+    except StreamIOError as exc:
+        if exc.errno not in NO_FLOCK:
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # nobody can hold a lock there
+        warn(
+            f"the filesystem under {os.path.dirname(path)} has no flock ({os.strerror(exc.errno)}): {what} is not "
+            "kept apart from another one into the same place; run one at a time"
+        )
+        return None
+    if fd is None:
+        raise StreamIOError(
+            f"{what} is refused: another is under way ({_holder(path)} holds {path}); {advice}",
+            path,
+            0,
+            errno.EBUSY,
+        )
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
+def _holder(path: str) -> str:
+    """Who holds the lock file ``path``, as its holder wrote it (:func:`lock_writer`)."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        fd = open_file(path, os.O_RDONLY)
+        try:
+            text = os.pread(fd, 512, 0).decode().strip()
+        finally:
+            os.close(fd)
+        if text:
+            return text.splitlines()[0]
+    return "another process"
 
 
 def unlock_file(path: str, fd: int) -> None:
@@ -162,13 +212,23 @@ def make_private_dir(path: str) -> None:
         raise StreamIOError(f"cannot create directory {path}: {exc.strerror}", path, 0, exc.errno) from exc
 
 
-def remove_private_dir(path: str) -> None:
+def dir_identity(path: str) -> tuple[int, int]:
+    """(device, inode) of the directory entry ``path`` (not followed): which directory is there."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def remove_private_dir(path: str, only: tuple[int, int] | None = None) -> None:
     """Delete a directory the store made, never following symlinks inside it
     (``shutil.rmtree`` works through directory fds on Linux); refuse anything
-    else found at that name. Nothing there is fine."""
+    else found at that name. Nothing there is fine. With ``only`` (a
+    :func:`dir_identity`), only while that directory is still the one at ``path``:
+    after a :func:`replace_dir` another may have taken its name."""
     if not os.path.lexists(path):
         return
     check_plain_dir(path)
+    if only is not None and dir_identity(path) != only:
+        return
     try:
         shutil.rmtree(path)
     except OSError as exc:
@@ -340,6 +400,13 @@ def replace_dir(new: str, final: str) -> None:
     readers fall back to it (see ``checkpoint/persistence.py``), and the next replace
     removes it only once a new ``final`` is in place. At no instant is neither
     complete directory there. Entries are fsynced after every rename.
+
+    An error raised here leaves ``final`` (or, cut off between the fallback's renames,
+    ``previous_path(final)``) holding what it held before and ``new`` holding the new
+    directory: where the new one was in place already and making that durable failed,
+    the previous one is put back first. Where even that fails, the new one stays,
+    complete, and the replace returns (a warning says its entry may not be durable).
+    The previous directory is removed only once the new one's entry is durable.
     """
     parent = os.path.dirname(final)
     backup = previous_path(final)
@@ -347,23 +414,60 @@ def replace_dir(new: str, final: str) -> None:
         # A backup here is the only complete previous state (a replace was cut off
         # after moving it aside): it goes only once `final` exists again.
         _rename(new, final)
-        fsync_dir(parent)
+        _make_durable_or_undo(parent, final, lambda: os.rename(final, new))
         _remove_replaced(backup)
         return
     check_plain_dir(final)
     if _exchange(new, final):
-        fsync_dir(parent)
+        _make_durable_or_undo(parent, final, lambda: _exchange_back(new, final))
         _remove_replaced(new)  # the previous directory, now at `new`
         _remove_replaced(backup)  # left by a fallback replace cut off after its second rename
         return
     remove_private_dir(backup)  # `final` is complete: a stale backup is not needed
     _rename(final, backup)
-    fsync_dir(parent)
     try:
+        fsync_dir(parent)
         _rename(new, final)
     except StreamIOError:
         with contextlib.suppress(OSError):
             os.rename(backup, final)  # put the previous one back; if that fails too, readers find the backup
         raise
-    fsync_dir(parent)
+
+    def undo() -> None:
+        os.rename(final, new)  # fails: the new one stays in place
+        with contextlib.suppress(OSError):
+            os.rename(backup, final)  # if this fails, readers find the previous one at the backup
+
+    _make_durable_or_undo(parent, final, undo)
     _remove_replaced(backup)
+
+
+def _make_durable_or_undo(parent: str, final: str, undo: Callable[[], None]) -> None:
+    """Fsync ``parent`` once a new directory took ``final``'s place; where that fails,
+    ``undo()`` puts the previous one back and the failure is raised. Where the undo
+    fails too, the new directory stays in place, complete, and this returns."""
+    try:
+        fsync_dir(parent)
+    except StreamIOError as exc:
+        try:
+            undo()
+        except OSError as undo_error:
+            logger.warning(
+                "%s; putting the previous directory back failed too (%s): the new one stays at %s, complete, "
+                "but its entry may not survive a power loss until the filesystem is synced",
+                exc,
+                undo_error,
+                final,
+            )
+            return
+        with contextlib.suppress(OSError):
+            fsync_dir(parent)
+        raise StreamIOError(f"{exc}; the previous directory is back in place", exc.path, exc.offset, exc.errno) from exc
+
+
+def _exchange_back(a: str, b: str) -> None:
+    """Swap back what :func:`_exchange` swapped; raises OSError where it cannot."""
+    renameat2 = _renameat2()
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), b)

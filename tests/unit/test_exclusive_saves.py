@@ -1,0 +1,140 @@
+"""Saves of one name into one checkpoint directory are exclusive.
+
+A job that did not die (a zombie, a duplicate launch) beside its restart, or two
+stores given one name, save into the same place: without a lock the second
+saver's start removed the first one's partial directory, the first wrote on
+into the second's and published a mix of both (its CRCs fail; the previous
+good save was gone). The lock ``.<name>.partial.lock`` is held from the partial
+directory's creation to the publish; a second saver is refused in one line
+naming the holder, and the previous checkpoint stays as it was.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from miles_plugins.optimizers.checkpoint import persistence
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
+from miles_plugins.optimizers.errors import StreamIOError
+from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, fresh, resume, save_run, train
+
+# A second process holding a save's lock, as a running save does, until its stdin closes.
+_HOLDER = """
+import sys
+from miles_plugins.optimizers.homes.fs import lock_writer
+fd = lock_writer(sys.argv[1], "a save", "", print)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.fault
+def test_a_second_process_saving_the_same_name_is_refused_naming_the_holder(tmp_path, fault_report):
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
+    train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(ckpt / ".rank0.partial.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(StreamIOError) as refused:
+            streamed.save_to(str(ckpt))
+    finally:
+        holder.communicate("", timeout=30)
+    message = str(refused.value)
+    assert refused.value.errno == errno.EBUSY and "\n" not in message
+    assert f"pid {holder.pid} on {socket.gethostname()}" in message, message
+    # The holder's lock file is left by its exit (its flock is gone): the refused save left nothing.
+    assert sorted(os.listdir(ckpt)) == [".rank0.partial.lock", "rank0", "rest.pt"]
+    assert {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()} == before
+    streamed.save_to(str(ckpt))  # the holder is gone: saves go on
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]
+    assert json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT + 1
+    streamed.close()
+    fault_report(
+        "a second process saves the same name into the same checkpoint directory",
+        "refused in one line naming the holder; the previous save untouched",
+        message.split(" is refused: ", 1)[1][:70] + "...",
+        "none",
+    )
+
+
+def test_two_savers_of_one_name_racing_publish_one_complete_save(tmp_path, monkeypatch):
+    """The race the lock closes, forced with two threads: A pauses after its first
+    bucket file; B starts meanwhile. B is refused, A publishes a complete save."""
+    ckpt = tmp_path / "ckpt"
+    a = fresh(tmp_path / "a", "rank0", bucket_cap_elements=500)
+    b = fresh(tmp_path / "b", "rank0", bucket_cap_elements=500)
+    for model, optimizer, scheduler, _ in (a, b):
+        train(model, optimizer, scheduler, range(3))
+    real_create, paused, go = persistence.create_file, threading.Event(), threading.Event()
+
+    def create_file(directory, name):
+        if threading.current_thread().name == "A" and name == "bucket_00001.bin":
+            paused.set()
+            go.wait(30)
+        return real_create(directory, name)
+
+    monkeypatch.setattr(persistence, "create_file", create_file)
+    errors = {}
+
+    def save(who, streamed):
+        try:
+            streamed.save_to(str(ckpt))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            errors[who] = exc
+
+    saver_a = threading.Thread(target=save, args=("A", a[3]), name="A")
+    saver_a.start()
+    assert paused.wait(30)
+    save("B", b[3])  # while A holds the lock
+    go.set()
+    saver_a.join(30)
+    assert list(errors) == ["B"] and errors["B"].errno == errno.EBUSY, errors
+    expected = {p: (m.clone(), ma.clone(), va.clone()) for p, m, ma, va in a[3].iter_state()}
+    b[3].close()
+    model, optimizer, scheduler, streamed = fresh(tmp_path / "c", "rank0", bucket_cap_elements=500)
+    assert streamed.load_from(str(ckpt))  # every CRC holds: one saver's files only
+    loaded = {p: (m, ma, va) for p, m, ma, va in streamed.iter_state()}
+    for (param, want), got in zip(expected.items(), loaded.values(), strict=True):
+        if param.dtype != torch.float32:  # fp32 params are their own mains: the model's, not saved here
+            assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
+    a[3].close()
+    streamed.close()
+
+
+def test_where_the_filesystem_has_no_flock_saves_go_on_unlocked_saying_so(tmp_path, monkeypatch, caplog):
+    """Lustre mounted noflock, NFS without a lock manager (faked here: this machine's
+    filesystems have flock): the save completes, and says a second saver is not kept out."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
+    streamed.close()
+
+    real_flock = fcntl.flock
+
+    def no_flock(fd, operation):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(ckpt)):  # the scratch's filesystem has flock
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
+    assert streamed.load_from(str(ckpt))
+    with caplog.at_level("WARNING"):
+        streamed.save_to(str(ckpt))
+    assert "has no flock (No locks available): a save of the optimizer state rank0" in caplog.text
+    monkeypatch.undo()
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)
