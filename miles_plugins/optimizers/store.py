@@ -398,7 +398,10 @@ class StreamingStore:
         self._check_open()
         if self.config.pipelined:
             self._land()  # reads stop before a bucket still landing; the step waits for it
-            self._pipeline.prefetch(self.config.overlap_bytes)
+            try:
+                self._pipeline.prefetch(self.config.overlap_bytes)
+            finally:
+                self._note_hang()
 
     def progress(self) -> None:
         """Move the overlap window along without waiting (a no-op without one): submit
@@ -413,7 +416,10 @@ class StreamingStore:
             return
         self._check_open()
         self._land()
-        self._window.read_ahead()
+        try:
+            self._window.read_ahead()
+        finally:
+            self._note_hang()
 
     def _land(self, block: bool = False) -> None:
         """Move the deferred writes along (``Pipeline.land``); a failure leaves the store refusing."""
@@ -439,7 +445,10 @@ class StreamingStore:
         """Release what :meth:`prefetch` read when no step will use it (e.g. the step
         was skipped for an inf/nan in the grads)."""
         if not self._closed:
-            self._pipeline.drop_prefetch()
+            try:
+                self._pipeline.drop_prefetch()
+            finally:
+                self._note_hang()
 
     def offload_device_home(self) -> None:
         """Move the ``gpu`` home's buckets to pinned host memory and free their device
@@ -521,18 +530,23 @@ class StreamingStore:
         (they may hang: the store then refuses), and check the store may go on."""
         self._check_open()
         self._land(block=True)
-        self._pipeline.drop_prefetch()
+        self.drop_prefetch()
         self._check_open()
 
     def _mark_damaged(self, reason: str) -> None:
         self._damaged = reason
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreUnusableError(f"the optimizer-state store at {self.location} was closed; its state is gone")
+    def _note_hang(self) -> None:
+        """Take transfers the pipeline abandoned, or a release it could not finish, as
+        this store's damage, as soon as it is found."""
         if self._pipeline.hung and not self._damaged:
             cause = self._pipeline.hang_cause or "transfers hang (a stalled drive?)"
             self._damaged = f"{cause}; their memory cannot be reused"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnusableError(f"the optimizer-state store at {self.location} was closed; its state is gone")
+        self._note_hang()
         if self._damaged:
             raise StoreUnusableError(
                 f"the optimizer-state store at {self.location} holds no consistent state: {self._damaged}. "

@@ -75,9 +75,18 @@ class FileHandle:
         return ALIGNMENT if self.direct else 1
 
     def close(self) -> None:
-        if self.write_fd != self.read_fd:
-            os.close(self.write_fd)
-        os.close(self.read_fd)
+        """Close both files, each once (an fd closed twice may by then be another file's),
+        even where the first close reports an error; the first error is raised."""
+        fds = dict.fromkeys(fd for fd in (self.write_fd, self.read_fd) if fd is not None)
+        self.read_fd = self.write_fd = None
+        failure = None
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise StreamIOError(f"closing {self.write_path}: {failure.strerror}", self.write_path, 0, failure.errno)
 
 
 class FileBacking:

@@ -83,7 +83,8 @@ class StateAccounting:
 
     current: int = 0
     peak: int = 0
-    _counted: dict[int, int] = field(default_factory=dict)  # id(tensor) -> bytes counted
+    # id(tensor) -> (bytes counted, address of the storage they were counted in)
+    _counted: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def materialize(self, t: torch.Tensor) -> None:
         """Give ``t`` its storage (a no-op for one that already has it) and count it."""
@@ -99,13 +100,21 @@ class StateAccounting:
         """Count a tensor that already has its storage (e.g. moments the optimizer created)."""
         if id(t) in self._counted:
             return
-        self._counted[id(t)] = t.untyped_storage().nbytes()
-        self.current += self._counted[id(t)]
+        storage = t.untyped_storage()
+        self._counted[id(t)] = (storage.nbytes(), storage.data_ptr())
+        self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
 
     def release(self, t: torch.Tensor) -> None:
-        self.current -= self._counted.pop(id(t), 0)
-        t.untyped_storage().resize_(0)
+        """Free ``t``'s storage, only where it is the one counted here: never another's
+        bytes ``t`` views (a home's, which a cut-off release left it sharing)."""
+        counted = self._counted.pop(id(t), None)
+        if counted is None:
+            return
+        nbytes, address = counted
+        self.current -= nbytes
+        if not t.storage_offset() and t.untyped_storage().data_ptr() == address:
+            t.untyped_storage().resize_(0)
 
 
 @dataclass
@@ -527,9 +536,9 @@ class Pipeline:
             for moment in flight.optimizer.moments(entry.main) or ():
                 self.accounting.release(moment)
         flight.converts.clear()
-        if flight.handle is not None:
-            flight.handle.close()
-            flight.handle = None
+        handle, flight.handle = flight.handle, None  # forgotten first: a failed close is never retried
+        if handle is not None:
+            handle.close()
 
     def abort(self, flights: Sequence[Flight], wait_s: float) -> bool:
         """Stop using ``flights`` after a failure or when their state is not needed:
@@ -540,10 +549,14 @@ class Pipeline:
         sets :attr:`hung`) when some transfers are still running at the
         deadline: their flights' memory is then left allocated, since a late
         transfer may still write into it. An interrupt during a wait is raised
-        once every flight is handled, the waited-for one counted as hung."""
+        once every flight is handled, the waited-for one counted as hung. A
+        release that fails or is interrupted does not stop the others; the first
+        such error is raised once all are handled, with :attr:`hung` set (that
+        flight's tensors may still share its home's bytes: the store must not go on)."""
         deadline = time.monotonic() + (0.0 if self.hung else wait_s)
         hung = False
         interrupt: BaseException | None = None
+        failed_release: BaseException | None = None
         for flight in flights:
             stuck = False
             for ticket in (flight.reads, flight.writes):
@@ -563,10 +576,17 @@ class Pipeline:
                 hung = True
                 continue
             flight.reads = flight.writes = flight.held = None
-            self._release(flight)
-        if interrupt is not None and not self.hung:
+            try:
+                self._release(flight)
+            except BaseException as exc:  # an interrupt, or a handle's close failing
+                failed_release = failed_release or exc
+        if failed_release is not None and not self.hung:
+            self.hang_cause = (
+                f"releasing a bucket's device memory was cut short ({type(failed_release).__name__}: {failed_release})"
+            )
+        elif interrupt is not None and not self.hung:
             self.hang_cause = f"an interrupt ({type(interrupt).__name__}) cut short the wait for transfers in flight"
-        self.hung = self.hung or hung
-        if interrupt is not None:
-            raise interrupt
+        self.hung = self.hung or hung or failed_release is not None
+        if interrupt is not None or failed_release is not None:
+            raise interrupt or failed_release
         return hung
