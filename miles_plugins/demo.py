@@ -35,7 +35,7 @@ import time
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
-from miles_plugins.optimizers.config import AUTO, ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS
+from miles_plugins.optimizers.config import AUTO, ENGINES, MAIN_STORAGES, MOMENT_DTYPES, TIERS, AutoBudget
 from miles_plugins.optimizers.homes.fs import parse_size
 from miles_plugins.optimizers.homes.scratch import DEMO_SCRATCH_PREFIX
 
@@ -239,8 +239,8 @@ def _remove(created: list[str]) -> None:
             os.rmdir(directory)  # only if empty: never what was there before
 
 
-def _budget(text: str) -> int | str:
-    if text == AUTO:
+def _budget(text: str) -> int | AutoBudget:
+    if text == AutoBudget.WORD:
         return AUTO
     try:
         return parse_size(text)

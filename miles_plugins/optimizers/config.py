@@ -42,9 +42,24 @@ TIERS = ("disk", "host")
 # CPU's where the mains are on the CPU), pinned host memory (``host``), files (``disk``).
 HOMES = ("gpu", "host", "disk")
 
-# A budget that measures itself (``auto_budget.py``): the host's at setup, the
-# GPU's after the first step, when the forward/backward peak is known.
-AUTO = "auto"
+
+class AutoBudget:
+    """A budget that measures itself (``auto_budget.py``): the host's at setup, the
+    GPU's after the first step, when the forward/backward peak is known. Written
+    ``"auto"`` (flags, ``StreamConfig``); :data:`AUTO` is the one instance."""
+
+    WORD = "auto"
+
+    def __repr__(self) -> str:
+        return repr(self.WORD)
+
+    def __str__(self) -> str:
+        return self.WORD
+
+
+AUTO = AutoBudget()
+# The fields a budget may be AUTO in.
+AUTO_BUDGET_FIELDS = ("gpu_budget_bytes", "host_budget_bytes")
 # What auto leaves free: device memory for the forward/backward peak to grow
 # into between two steps (a step gives buckets back when it grew), and host
 # memory for everything else on the node (data loaders, page cache, other jobs).
@@ -210,8 +225,8 @@ class StreamConfig:
     direct_io: bool = True
     main_storage: str = "fp32"
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
-    gpu_budget_bytes: int | str = 0
-    host_budget_bytes: int | str = 0
+    gpu_budget_bytes: int | AutoBudget = 0
+    host_budget_bytes: int | AutoBudget = 0
     auto_gpu_margin_bytes: int = DEFAULT_AUTO_GPU_MARGIN_BYTES
     auto_host_margin_bytes: int = DEFAULT_AUTO_HOST_MARGIN_BYTES
     fp32_param_moments: str = "streamed"
@@ -219,97 +234,17 @@ class StreamConfig:
     drive_ranks: int = 1
 
     def __post_init__(self) -> None:
+        for field in AUTO_BUDGET_FIELDS:  # "auto" as users and flags write it
+            if isinstance(getattr(self, field), str) and getattr(self, field) == AutoBudget.WORD:
+                object.__setattr__(self, field, AUTO)
         if isinstance(self.directory, list):  # frozen and hashable: keep a tuple
             object.__setattr__(self, "directory", tuple(self.directory))
-        directories = self.directories
-        if self.tier == "disk" and (not directories or not all(directories)):
-            raise StreamConfigError(
-                f"directory must be a non-empty path (or several, comma-separated), got {self.directory!r}; "
-                "point it at node-local NVMe, e.g. /scratch/optimizer_state"
-            )
-        normalized = [os.path.realpath(d) for d in directories if d]  # a symlink to one is that one
-        if len(set(normalized)) != len(normalized):
-            raise StreamConfigError(f"directory names the same directory twice: {self.directory!r}")
-        for outer in normalized:
-            for inner in normalized:
-                if inner != outer and os.path.commonpath([outer, inner]) == outer:
-                    raise StreamConfigError(
-                        f"directory names {inner} inside {outer}: give one directory per drive ({self.directory!r})"
-                    )
-        if self.moment_dtype in REMOVED_MOMENT_DTYPES:
-            raise StreamConfigError(
-                f"moment dtype {self.moment_dtype!r} is no longer offered: "
-                f"{REMOVED_MOMENT_DTYPES[self.moment_dtype]}; for compact moments use bf16, or 8bit (scaled per "
-                "block)"
-            )
-        if self.moment_dtype not in MOMENT_DTYPES:
-            raise StreamConfigError(
-                f"unknown moment dtype {self.moment_dtype!r}; choose one of {', '.join(MOMENT_DTYPES)}"
-            )
-        if isinstance(self.bucket_cap_elements, bool) or not isinstance(self.bucket_cap_elements, int):
-            raise StreamConfigError(f"bucket cap must be an integer element count, got {self.bucket_cap_elements!r}")
-        if self.bucket_cap_elements <= 0:
-            raise StreamConfigError(f"bucket cap must be > 0 elements, got {self.bucket_cap_elements}")
-        if (
-            isinstance(self.staging_budget_mb, bool)
-            or not isinstance(self.staging_budget_mb, int)
-            or self.staging_budget_mb <= 0
-        ):
-            raise StreamConfigError(f"staging budget must be a positive number of MiB, got {self.staging_budget_mb!r}")
-        for field, choices in (
-            ("tier", TIERS),
-            ("engine", ENGINES),
-            ("main_storage", MAIN_STORAGES),
-            ("fp32_param_moments", FP32_PARAM_MOMENTS),
-        ):
-            if getattr(self, field) not in choices:
-                raise StreamConfigError(
-                    f"unknown {field.replace('_', ' ')} {getattr(self, field)!r}; choose one of {', '.join(choices)}"
-                )
-        for field in (
-            "gpu_budget_bytes",
-            "host_budget_bytes",
-            "auto_gpu_margin_bytes",
-            "auto_host_margin_bytes",
-            "overlap_bytes",
-        ):
-            value = getattr(self, field)
-            if value == AUTO and field.endswith("budget_bytes"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                also = f' or "{AUTO}"' if field.endswith("budget_bytes") else ""
-                raise StreamConfigError(
-                    f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more{also}, got {value!r}"
-                )
-        for field in ("buckets_in_flight", "io_threads", "drive_ranks"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise StreamConfigError(f"{field.replace('_', ' ')} must be a positive integer, got {value!r}")
-        if (
-            isinstance(self.io_timeout_s, bool)
-            or not isinstance(self.io_timeout_s, (int, float))
-            or not math.isfinite(self.io_timeout_s)
-            or self.io_timeout_s <= 0
-        ):
-            raise StreamConfigError(f"io timeout must be a positive number of seconds, got {self.io_timeout_s!r}")
-        if self.pipelined and self.staging_budget_mb < 2 * MIN_STAGING_CHUNK_MB * self.io_queues:
-            per = f" for each of {self.io_queues} directories" if self.io_queues > 1 else ""
-            raise StreamConfigError(
-                f"staging budget {self.staging_budget_mb} MiB is too small: the pipelined engine needs a chunk "
-                f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction{per} "
-                f"({2 * MIN_STAGING_CHUNK_MB * self.io_queues} MiB in all)"
-            )
-        if self.overlap_bytes and not self.pipelined:
-            raise StreamConfigError(
-                "overlap bytes need the pipelined engine (the sync engine moves one bucket at a time)"
-            )
-        if self.overlap_bytes and self.gpu_budget_bytes == AUTO:
-            raise StreamConfigError(
-                'overlap bytes cannot be used with an "auto" GPU budget: it sizes its home from the peaks of '
-                "forward and backward, which the window held through them would change; give the GPU budget in GiB"
-            )
-        if not self.name or "/" in self.name or self.name in (".", ".."):
-            raise StreamConfigError(f"scratch name must be a single path component, got {self.name!r}")
+        _check_directories(self)
+        _check_moment_dtype(self.moment_dtype)
+        _check_choices(self)
+        _check_numbers(self)
+        _check_name(self.name)
+        _check_combinations(self)
 
     @property
     def directories(self) -> tuple[str, ...]:
@@ -361,3 +296,120 @@ class StreamConfig:
     def io_queues(self) -> int:
         """Sets of I/O threads (pipelined): one per state directory of the disk home."""
         return max(1, len(self.directories)) if self.tier == "disk" and self.pipelined else 1
+
+
+# ---- validation, one group of fields per function; each raises StreamConfigError --------------
+
+
+def _check_directories(config: StreamConfig) -> None:
+    directories = config.directories
+    if config.tier == "disk" and (not directories or not all(directories)):
+        raise StreamConfigError(
+            f"directory must be a non-empty path (or several, comma-separated), got {config.directory!r}; "
+            "point it at node-local NVMe, e.g. /scratch/optimizer_state"
+        )
+    if any("\0" in d for d in directories):
+        raise StreamConfigError(f"directory holds a NUL character, which no path can: {config.directory!r}")
+    normalized = [os.path.realpath(d) for d in directories if d]  # a symlink to one is that one
+    if len(set(normalized)) != len(normalized):
+        raise StreamConfigError(f"directory names the same directory twice: {config.directory!r}")
+    for outer in normalized:
+        for inner in normalized:
+            if inner != outer and os.path.commonpath([outer, inner]) == outer:
+                raise StreamConfigError(
+                    f"directory names {inner} inside {outer}: give one directory per drive ({config.directory!r})"
+                )
+
+
+def _check_moment_dtype(name: object) -> None:
+    if isinstance(name, str) and name in REMOVED_MOMENT_DTYPES:
+        raise StreamConfigError(
+            f"moment dtype {name!r} is no longer offered: {REMOVED_MOMENT_DTYPES[name]}; for compact moments use "
+            "bf16, or 8bit (scaled per block)"
+        )
+    if not isinstance(name, str) or name not in MOMENT_DTYPES:
+        raise StreamConfigError(f"unknown moment dtype {name!r}; choose one of {', '.join(MOMENT_DTYPES)}")
+
+
+def _check_choices(config: StreamConfig) -> None:
+    for field, choices in (
+        ("tier", TIERS),
+        ("engine", ENGINES),
+        ("main_storage", MAIN_STORAGES),
+        ("fp32_param_moments", FP32_PARAM_MOMENTS),
+    ):
+        value = getattr(config, field)
+        if not isinstance(value, str) or value not in choices:
+            raise StreamConfigError(f"unknown {field.replace('_', ' ')} {value!r}; choose one of {', '.join(choices)}")
+    if not isinstance(config.direct_io, bool):
+        raise StreamConfigError(f"direct io must be True or False, got {config.direct_io!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(config: StreamConfig) -> None:
+    if not _is_int(config.bucket_cap_elements):
+        raise StreamConfigError(f"bucket cap must be an integer element count, got {config.bucket_cap_elements!r}")
+    if config.bucket_cap_elements <= 0:
+        raise StreamConfigError(f"bucket cap must be > 0 elements, got {config.bucket_cap_elements}")
+    if not _is_int(config.staging_budget_mb) or config.staging_budget_mb <= 0:
+        raise StreamConfigError(f"staging budget must be a positive number of MiB, got {config.staging_budget_mb!r}")
+    for field in (*AUTO_BUDGET_FIELDS, "auto_gpu_margin_bytes", "auto_host_margin_bytes", "overlap_bytes"):
+        value = getattr(config, field)
+        if value is AUTO and field in AUTO_BUDGET_FIELDS:
+            continue
+        if not _is_int(value) or value < 0:
+            also = f' or "{AUTO}"' if field in AUTO_BUDGET_FIELDS else ""
+            raise StreamConfigError(
+                f"{field.replace('_', ' ')} must be a whole number of bytes, 0 or more{also}, got {value!r}"
+            )
+    if not _is_int(config.resident_warn_elements) or config.resident_warn_elements < 0:
+        raise StreamConfigError(
+            f"resident warn elements must be a whole number of elements, 0 or more, got {config.resident_warn_elements!r}"
+        )
+    for field in ("buckets_in_flight", "io_threads", "drive_ranks"):
+        value = getattr(config, field)
+        if not _is_int(value) or value <= 0:
+            raise StreamConfigError(f"{field.replace('_', ' ')} must be a positive integer, got {value!r}")
+    timeout = config.io_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise StreamConfigError(f"io timeout must be a positive number of seconds, got {timeout!r}")
+
+
+# The scratch name names files beside it too (``.<name>.lock``, ``.<name>.partial.lock``):
+# the longest a filesystem allows a name (255 bytes) less those additions.
+MAX_NAME_BYTES = 200
+
+
+def _check_name(name: object) -> None:
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\0" in name
+        or name in (".", "..")
+        or len(os.fsencode(name)) > MAX_NAME_BYTES
+    ):
+        raise StreamConfigError(
+            f"scratch name must be a single path component of at most {MAX_NAME_BYTES} bytes, without '/' or NUL, "
+            f"got {name!r}"
+        )
+
+
+def _check_combinations(config: StreamConfig) -> None:
+    if config.pipelined and config.staging_budget_mb < 2 * MIN_STAGING_CHUNK_MB * config.io_queues:
+        per = f" for each of {config.io_queues} directories" if config.io_queues > 1 else ""
+        raise StreamConfigError(
+            f"staging budget {config.staging_budget_mb} MiB is too small: the pipelined engine needs a chunk "
+            f"of at least {MIN_STAGING_CHUNK_MB} MiB per direction{per} "
+            f"({2 * MIN_STAGING_CHUNK_MB * config.io_queues} MiB in all)"
+        )
+    if config.overlap_bytes and not config.pipelined:
+        raise StreamConfigError("overlap bytes need the pipelined engine (the sync engine moves one bucket at a time)")
+    if config.overlap_bytes and config.gpu_budget_bytes is AUTO:
+        raise StreamConfigError(
+            'overlap bytes cannot be used with an "auto" GPU budget: it sizes its home from the peaks of '
+            "forward and backward, which the window held through them would change; give the GPU budget in GiB"
+        )

@@ -766,8 +766,19 @@ def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout],
         )
 
 
+# Param dtypes whose Adam state is fp32 (mains, moments): what the store keeps exactly.
+STREAMABLE_PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _streamed_entries(entries: Sequence[Entry], config: StreamConfig) -> list[int]:
     """Indices of the entries to stream, after checking each can be."""
+    for i, entry in enumerate(entries):
+        if entry.param.dtype not in STREAMABLE_PARAM_DTYPES:
+            raise StreamConfigError(
+                f"param {entry.name or i!r} is {entry.param.dtype}: the streamed state is fp32 (mains and moments), "
+                f"so it would train differently from resident Adam in its own dtype; stream only bf16, fp16 and "
+                "fp32 params (keep the others in an optimizer of their own)"
+            )
     with_mains = [i for i, e in enumerate(entries) if not e.resident]
     if config.main_storage == "remainder" and entries and not with_mains:
         raise StreamConfigError(

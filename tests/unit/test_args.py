@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from miles_plugins.optimizers import StreamConfigError
-from miles_plugins.optimizers.config import DEFAULT_STAGING_BUDGET_MB
+from miles_plugins.optimizers.config import AUTO, DEFAULT_STAGING_BUDGET_MB
 from miles_plugins.optimizers.megatron.args import (
     STATE_SUBDIR,
     add_arguments,
@@ -292,7 +292,7 @@ def test_budget_flags_take_auto_and_its_margins_take_gib(capsys):
         + ["--stream-optimizer-state-auto-gpu-margin-gb", "6", "--stream-optimizer-state-auto-host-margin-gb", "0.5"]
     )
     config = config_from_args(args, name="rank0")
-    assert (config.gpu_budget_bytes, config.host_budget_bytes) == ("auto", "auto")
+    assert config.gpu_budget_bytes is AUTO and config.host_budget_bytes is AUTO
     assert (config.auto_gpu_margin_bytes, config.auto_host_margin_bytes) == (6 << 30, 1 << 29)
     defaults = config_from_args(parser.parse_args([]), name="rank0")
     assert (defaults.auto_gpu_margin_bytes, defaults.auto_host_margin_bytes) == (4 << 30, 16 << 30)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig
+from miles_plugins.optimizers.config import AUTO
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import cgroup_room, host_budget
@@ -654,4 +655,6 @@ def test_an_auto_host_budget_places_what_it_measured(tmp_path, monkeypatch, capl
 def test_budgets_take_auto_and_margins_take_bytes(field, value):
     with pytest.raises(StreamConfigError, match=field.replace("_", " ")):
         StreamConfig(directory="/unused", **{field: value})
-    assert StreamConfig(directory="/unused", gpu_budget_bytes="auto", host_budget_bytes="auto")
+    config = StreamConfig(directory="/unused", gpu_budget_bytes="auto", host_budget_bytes="auto")
+    assert config.gpu_budget_bytes is AUTO and config.host_budget_bytes is AUTO  # the word becomes the type
+    assert StreamConfig(directory="/unused", gpu_budget_bytes=AUTO).gpu_budget_bytes is AUTO

@@ -236,3 +236,41 @@ def test_remainder_mains_with_no_bf16_param_are_refused(tmp_path):
             torch.optim.AdamW(model.parameters()), StreamConfig(directory=str(tmp_path), main_storage="remainder")
         )
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("name", "a\0b", "scratch name must be a single path component"),
+        ("name", "x" * 201, "scratch name must be a single path component of at most 200 bytes"),
+        ("name", 7, "scratch name must be a single path component"),
+        ("resident_warn_elements", "x", "resident warn elements must be a whole number of elements"),
+        ("resident_warn_elements", -1, "resident warn elements must be a whole number of elements"),
+        ("resident_warn_elements", True, "resident warn elements must be a whole number of elements"),
+        ("direct_io", "no", "direct io must be True or False"),
+        ("direct_io", 0, "direct io must be True or False"),
+        ("directory", "/tmp/a\0b", "directory holds a NUL character"),
+        ("moment_dtype", ["fp32"], "unknown moment dtype"),
+        ("tier", ["disk"], "unknown tier"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused_at_construction(tmp_path, field, value, says):
+    """Each used to escape validation and fail later, or not at all (a raw ValueError
+    from os.open, a TypeError inside the store, direct I/O left on for "no")."""
+    kwargs = {"directory": str(tmp_path)} | {field: value}
+    with pytest.raises(StreamConfigError, match=says) as refused:
+        StreamConfig(**kwargs)
+    assert "\n" not in str(refused.value)
+
+
+def test_fp64_params_are_refused_rather_than_trained_in_fp32(tmp_path):
+    """fp64 params would train through fp32 mains and moments, silently unlike resident
+    Adam in fp64: refused in one line, nothing written."""
+    bf16, fp64 = (
+        torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16)),
+        torch.nn.Parameter(torch.zeros(1000).double()),
+    )
+    optimizer = torch.optim.AdamW([bf16, fp64])
+    with pytest.raises(StreamConfigError, match="param '0.1' is torch.float64: the streamed state is fp32") as refused:
+        StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "state")))
+    assert "\n" not in str(refused.value) and not (tmp_path / "state").exists()

@@ -36,6 +36,7 @@ from miles_plugins.optimizers.config import (
     MAIN_STORAGES,
     MOMENT_DTYPES,
     TIERS,
+    AutoBudget,
     StreamConfig,
 )
 from miles_plugins.optimizers.errors import StreamConfigError
@@ -221,9 +222,9 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
-def _gib(text: str, flag: str, auto: bool = True) -> float | str:
+def _gib(text: str, flag: str, auto: bool = True) -> float | AutoBudget:
     """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more; or ``auto``."""
-    if auto and text == AUTO:
+    if auto and text == AutoBudget.WORD:
         return AUTO
     try:
         value = float(text)
