@@ -16,7 +16,7 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
-from miles_plugins.optimizers.errors import CheckpointMismatchError
+from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
@@ -180,6 +180,16 @@ def test_without_the_load_the_resumed_run_differs(tmp_path):
 def test_nothing_saved_loads_as_false(tmp_path):
     *_, streamed = fresh(tmp_path, "rank0")
     assert streamed.load_from(str(tmp_path / "empty")) is False
+    streamed.close()
+
+
+def test_a_load_from_a_file_is_refused_rather_than_taken_for_nothing_saved(tmp_path):
+    """A path that is a file (a typo, a tarball) is not an empty checkpoint directory."""
+    *_, streamed = fresh(tmp_path, "rank0")
+    (tmp_path / "ckpt.tar").write_bytes(b"x")
+    with pytest.raises(StreamConfigError, match="ckpt.tar: it is not a directory") as refused:
+        streamed.load_from(str(tmp_path / "ckpt.tar"))
+    assert "\n" not in str(refused.value)
     streamed.close()
 
 

@@ -15,7 +15,7 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes import auto_budget, backings
 from miles_plugins.optimizers.homes.backings import DeviceBacking
 from miles_plugins.optimizers.homes.file_io import BlockCrc
 from miles_plugins.optimizers.homes.fs import parse_size
@@ -249,7 +249,7 @@ def test_each_directory_needs_its_share_of_the_staging_budget():
     assert config.staging_bytes_total <= 128 << 20 and config.staging_bytes == 8 << 20
 
 
-def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path):
+def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path, monkeypatch):
     """offload_to_cpu / restore_from_cpu (Megatron's RL phase switches) move the gpu
     home's buckets out of device memory and back; a step in between still works."""
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **_all_three_homes())
@@ -258,7 +258,20 @@ def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path):
     streamed.store.offload_device_home()
     last = streamed.store.buckets[-1].index
     assert list(device_home._offloaded) == [last] and device_home.buffers[last] is device_home._offloaded[last].tensor
+    # Offloaded, its bytes are copied in and out as from any host memory, never lent (the
+    # CPU is the tensors' device here too: the path a GPU takes, covered on the CPU).
+    asked, view_of = [], backings.BufferHandle.view_of
+
+    def recorded(self, offset, tensor):
+        view = view_of(self, offset, tensor)
+        if self.buffer is device_home.buffers[last]:
+            asked.append(view)
+        return view
+
+    monkeypatch.setattr(backings.BufferHandle, "view_of", recorded)
     train(model, optimizer, scheduler, range(8, 12))
+    assert asked and all(view is None for view in asked)
+    monkeypatch.undo()
     streamed.store.restore_device_home()
     assert device_home._offloaded == {}
     train(model, optimizer, scheduler, range(12, STEPS))

@@ -228,6 +228,11 @@ class Persistence:
             "load the optimizer state from",
             "it holds that store's live state, not a save",
         )
+        if os.path.lexists(base_dir) and not os.path.isdir(base_dir):
+            raise StreamConfigError(
+                f"cannot load the optimizer state from {base_dir}: it is not a directory; give load_from the "
+                "directory save_to was given"
+            )
         source = self._source(base_dir)
         manifest = Manifest.read(source) if source is not None else None
         if manifest is None or (

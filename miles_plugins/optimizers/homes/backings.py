@@ -367,7 +367,10 @@ class DeviceBacking:
         # stored form is its fp32 bytes, the step updates it in the buffer instead
         # (``view_of``; the pipeline's fetch), with no copy at all.
         name = f"<device memory of bucket {bucket.index}>"
-        return BufferHandle(self._buffer(bucket), name, on_caller_stream=True, shared=True)
+        # Offloaded, the buffer is host memory standing in for the home: copied, never lent
+        # (on the CPU too, where it would share the tensors' device).
+        lends = bucket.index not in self._offloaded
+        return BufferHandle(self._buffer(bucket), name, on_caller_stream=True, shared=lends)
 
     @property
     def offloaded(self) -> bool:
