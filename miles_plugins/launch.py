@@ -230,7 +230,7 @@ def _wrap_train(original: Callable) -> Callable:
         if _current.streaming and not _current.optimizers:
             from megatron.training import get_args
 
-            from miles_plugins.optimizers.megatron.args import refusals_of_args
+            from miles_plugins.optimizers.megatron.refusals import refusals_of_args
 
             reasons = refusals_of_args(get_args())
             if reasons:  # e.g. --optimizer muon, built by a function of its own

@@ -26,7 +26,8 @@ from typing import Any
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.homes import scratch
 from miles_plugins.optimizers.megatron.args import STREAM_FLAG, add_arguments, config_from_args, validate_args
-from miles_plugins.optimizers.megatron.binding import MegatronBinding, attach, deferred_mains
+from miles_plugins.optimizers.megatron.binding import MegatronBinding, attach
+from miles_plugins.optimizers.megatron.deferred_mains import deferred_mains
 
 logger = logging.getLogger(__name__)
 

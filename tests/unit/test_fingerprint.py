@@ -102,3 +102,21 @@ def test_megatron_hooks_imports_without_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_pin_names_plugin_code_that_exists():
+    """A pin's owner is what a reader rechecks on drift: it must name real code."""
+    import importlib
+
+    for pin in PINS:
+        module_path, _, attribute = pin.owner.rpartition(".")
+        target = None
+        while module_path and target is None:
+            try:
+                target = importlib.import_module(module_path)
+            except ModuleNotFoundError:
+                module_path, _, outer = module_path.rpartition(".")
+                attribute = f"{outer}.{attribute}"
+        for part in attribute.split("."):
+            target = getattr(target, part)
+        assert callable(target), pin.owner

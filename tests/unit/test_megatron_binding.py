@@ -40,12 +40,9 @@ from miles_plugins.optimizers import (  # noqa: E402
 from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
 from miles_plugins.optimizers.homes.backings import DeviceBacking  # noqa: E402
-from miles_plugins.optimizers.megatron.binding import (  # noqa: E402
-    STREAMED_STATE_KEY,
-    MegatronBinding,
-    _MainsWithoutStorage,
-    deferred_mains,
-)
+from miles_plugins.optimizers.megatron.binding import MegatronBinding  # noqa: E402
+from miles_plugins.optimizers.megatron.deferred_mains import MainsWithoutStorage, deferred_mains  # noqa: E402
+from miles_plugins.optimizers.megatron.state_dict import STREAMED_STATE_KEY  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]
@@ -84,7 +81,7 @@ def dp1_distributed_optimizer(seed: int = 0, deferred: bool = False):
     opt.model_chunks = [torch.nn.ParameterList(params)]  # the model, as Megatron names its params
     bucket = types.SimpleNamespace(param_data=buffer, offset=0)
     opt.buffers = [types.SimpleNamespace(buckets=[bucket], param_index_map=world_index)]
-    with _MainsWithoutStorage() if deferred else contextlib.nullcontext():
+    with MainsWithoutStorage() if deferred else contextlib.nullcontext():
         mains = [p.detach().view(-1).clone().float() for p in params]  # as Megatron builds them at DP=1
     opt.model_float16_groups, opt.shard_fp32_from_float16_groups = [params], [mains]
     opt.shard_float16_groups = [[p.detach().view(-1) for p in params]]
@@ -211,13 +208,13 @@ def test_deferred_mains_defers_only_builds_on_threads_inside_a_block_and_restore
     tripwire is stubbed (this venv's megatron-core has no patched training tree)."""
     import threading
 
-    from miles_plugins.optimizers.megatron import binding
+    from miles_plugins.optimizers.megatron import deferred_mains as deferring
 
     def stand_in(cls):
         return torch.ones(4, dtype=torch.bfloat16).clone().float().untyped_storage().nbytes()
 
     monkeypatch.setattr(DistributedOptimizer, "_build_model_and_main_param_groups", classmethod(stand_in))
-    monkeypatch.setattr(binding, "check_upstream", lambda: None)
+    monkeypatch.setattr(deferring, "check_upstream", lambda: None)
     upstream = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
     elsewhere = []
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()

@@ -24,7 +24,8 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params 
 from megatron_hooks.contract import STORE_ATTR  # noqa: E402
 from miles_plugins.optimizers import StreamConfig, StreamConfigError  # noqa: E402
 from miles_plugins.optimizers.megatron.args import add_arguments, config_from_args  # noqa: E402
-from miles_plugins.optimizers.megatron.binding import attach, chained_distributed_optimizers, check_supported  # noqa: E402
+from miles_plugins.optimizers.megatron.binding import attach  # noqa: E402
+from miles_plugins.optimizers.megatron.chain import chained_distributed_optimizers, check_supported  # noqa: E402
 from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming  # noqa: E402
 
 
@@ -234,9 +235,9 @@ SAME_RULE = {
 
 @pytest.mark.parametrize("case", list(SAME_RULE), ids=list(SAME_RULE))
 def test_flags_and_the_built_optimizer_are_refused_by_one_rule(case):
-    """One table (args.REFUSALS) serves validate_args and check_supported: the
+    """One table (refusals.REFUSALS) serves validate_args and check_supported: the
     reason a flag is refused for is the reason its optimizer field is refused for."""
-    from miles_plugins.optimizers.megatron.args import refusals_of_args, refusals_of_optimizer
+    from miles_plugins.optimizers.megatron.refusals import refusals_of_args, refusals_of_optimizer
 
     kwargs, _ = REFUSED[case]
     (on_optimizer,) = refusals_of_optimizer(distributed_optimizer(**kwargs))

@@ -38,11 +38,11 @@ PINS: tuple[Pin, ...] = (
             KnownShape("0f768d99a7eedf40", (GPU_0_19, GPU_0_18, "main d98e8a6")),
             KnownShape("ae82fbf9fd301c09", (GPU_DEV,)),
         ),
-        "MegatronBinding._param_buffer_shard reproduces copy_group_params' non-fp8 branch: the world range "
+        "ShardMap.param_buffer_shard reproduces copy_group_params' non-fp8 branch: the world range "
         "'gbuf_world_in_bucket', model_param_gbuf_map's (gbuf, dtype, bucket) order and "
         "buffers[i].buckets[j].param_data; and nothing new must run before the copy (e.g. master weights "
         "brought back from an offload)",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._param_buffer_shard",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.param_buffer_shard",
     ),
     Pin(
         DISTRIB,
@@ -58,7 +58,7 @@ PINS: tuple[Pin, ...] = (
         "the binding runs upstream's own method (the all-gather tail changed in core_v0.18.0 and is not "
         "reproduced); it must still call MixedPrecisionOptimizer.step_with_ready_grads exactly once before "
         "the param all-gather",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._bind",
+        "miles_plugins.optimizers.megatron.overrides.step_with_ready_grads",
     ),
     Pin(
         MIXED,
@@ -71,7 +71,7 @@ PINS: tuple[Pin, ...] = (
         "self.optimizer.step() (the streamed step) must run exactly once, followed by "
         "_copy_main_params_to_model_params (a no-op on a streamed optimizer); any other path to the inner "
         "step bypasses the stream",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._bind",
+        "miles_plugins.optimizers.megatron.overrides.step_with_ready_grads",
     ),
     Pin(
         MIXED,
@@ -79,14 +79,14 @@ PINS: tuple[Pin, ...] = (
         (KnownShape("65a7995db6d993eb", (GPU_0_19, GPU_0_16, GPU_0_18, "core_v0.15.3 309ffca", GPU_DEV)),),
         "the binding replaces it with a bucket-by-bucket rebuild of the mains from the params (or a state "
         "dict's params); recheck that upstream still means only that",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._reload_mains",
+        "miles_plugins.optimizers.megatron.binding.MegatronBinding.reload_mains",
     ),
     Pin(
         DISTRIB,
         "DistributedOptimizer._get_model_param_range_map",
         (KnownShape("ae533e493c3bbccb", (GPU_0_19, GPU_0_16, GPU_0_18, "core_v0.15.3 309ffca", GPU_DEV)),),
         "the binding reads the 'param' and 'gbuf_world_in_bucket' ranges of every model param",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._model_shard",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.model_shard",
     ),
     Pin(
         DISTRIB,
@@ -94,14 +94,14 @@ PINS: tuple[Pin, ...] = (
         (KnownShape("819c09ff760917a3", (GPU_0_19, GPU_0_16, GPU_0_18, "core_v0.15.3 309ffca", GPU_DEV)),),
         "model_param_gbuf_map values must stay (gbuf index, dtype, bucket index): the binding keys streaming "
         "buckets by DDP bucket and finds the param buffer through it",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._ddp_bucket",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.ddp_bucket",
     ),
     Pin(
         DISTRIB,
         "DistributedOptimizer._build_model_gbuf_param_range_map",
         (KnownShape("d2a5e0c55ca3cdf6", (GPU_0_19, GPU_0_16, GPU_0_18, "core_v0.15.3 309ffca", GPU_DEV)),),
         "builds 'gbuf_world_in_bucket' (the param's range in its bucket's param_data) and 'param'",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._param_buffer_shard",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.param_buffer_shard",
     ),
     Pin(
         DISTRIB,
@@ -112,7 +112,7 @@ PINS: tuple[Pin, ...] = (
             KnownShape("0e590b9864682b1e", (GPU_0_19, "main d98e8a6")),
         ),
         "passes each bucket's offset and the world range to _build_model_gbuf_param_range_map",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._param_buffer_shard",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.param_buffer_shard",
     ),
     Pin(
         DISTRIB,
@@ -130,6 +130,6 @@ PINS: tuple[Pin, ...] = (
         ),
         "bf16/fp16 mains must be contiguous fp32 clones of the param shards (the binding evicts their "
         "storage) and fp32 shards views of the param buffer (the binding checks the aliasing)",
-        "miles_plugins.optimizers.megatron.binding.MegatronBinding._entries",
+        "miles_plugins.optimizers.megatron.shard_map.ShardMap.entries",
     ),
 )
