@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from bench.corpus import MarkovChain
-from miles_plugins.demo import LR, VOCAB, build_model, param_groups, schedule
+from miles_plugins.demo_runs import LR, VOCAB, build_model, param_groups, schedule
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.formats import quant8
 

@@ -22,19 +22,16 @@ MOMENT_DTYPES: dict[str, torch.dtype] = {
 # Moment dtypes stored blockwise (codes and per-block scales), not element by element.
 BLOCKWISE_MOMENT_DTYPES = frozenset({"8bit"})
 
-# Moment dtypes earlier versions offered, and why they are gone. Unscaled, they
+# Moment dtypes earlier versions offered, and why they are gone: unscaled, they
 # cannot hold exp_avg_sq (squared gradients span many decades: they underflow
-# fp16's 6e-8 and fp8's range, and the update becomes m / eps): the demo went
-# from loss 6.5 to 1.2e9 with fp8e4m3 and to 644 with fp16 in 200 steps.
+# fp16's 6e-8 and fp8's range, and the update becomes m / eps; docs/pytorch.md).
 # A checkpoint that stored one is refused on load with this reason.
 REMOVED_MOMENT_DTYPES: dict[str, str] = {
     name: "unscaled, it cannot hold exp_avg_sq (squared gradients underflow its range) and training diverges"
     for name in ("fp16", "fp8e4m3", "fp8e5m2")
 }
 
-# Where the streamed state lives between steps: per-bucket files (node-local NVMe)
-# or pinned host memory. ``tier`` is the home of every bucket the budgets below
-# do not place.
+# ``tier``: the home of every bucket the budgets do not place, files (node-local NVMe) or pinned host memory.
 TIERS = ("disk", "host")
 
 # A bucket's home between steps, in the order buckets fill them: the memory of
@@ -75,11 +72,9 @@ ENGINES = ("pipelined", "sync")
 # that, with the bf16 model param resident anyway, rebuild the fp32 main exactly.
 MAIN_STORAGES = ("fp32", "remainder")
 
-# 64M elements per streaming bucket: 768 MB of fp32 state while it is on the device.
-# Not a hard cap: a param is never split, so one larger than the cap gets a bucket
-# of its own. I/O efficiency comes from the request size and the requests in flight, not from
-# the bucket size; smaller buckets make the pipeline's fill and drain (the first
-# read and the last write, which nothing overlaps) a small share of the step.
+# 64M elements per streaming bucket: 768 MB of fp32 state on the device (a param is never
+# split: a larger one gets a bucket of its own). I/O efficiency comes from the requests, not
+# the bucket size; smaller buckets shorten the pipeline's fill and drain, which nothing overlaps.
 DEFAULT_BUCKET_CAP_ELEMENTS = 64_000_000
 
 # Buckets on the device at once: one computing, one being read, one being written.
@@ -89,9 +84,8 @@ DEFAULT_BUCKETS_IN_FLIGHT = 3
 # a drive that serves both at once gets both). Each thread owns one staging chunk.
 DEFAULT_IO_THREADS = 4
 
-# A request that takes longer than this is taken for a hung drive: the step fails
-# with an error instead of hanging forever. A 16 MiB request normally takes
-# milliseconds; a drive stalled for 5 minutes is not coming back in time.
+# A request that takes longer than this is taken for a hung drive: the step fails instead
+# of hanging forever (a request takes milliseconds; a drive stalled this long is not coming back).
 DEFAULT_IO_TIMEOUT_S = 300.0
 
 # Host staging memory for transfers, in all: the pipelined engine splits it into one
@@ -101,19 +95,15 @@ DEFAULT_STAGING_BUDGET_MB = 128
 
 # The request the split aims for: a budget (each directory's share, with several) too
 # small to give every I/O thread chunks this large funds fewer threads, each with larger
-# requests. On the GPU machine's drive (direct I/O), the step at 16 MiB over the step at
-# 256 MiB of the same run: 1.18 as four 2 MiB requests per direction (the slowest budget
-# in each of three rounds), 1.14 as two of 4 MiB; 0.92 and 0.87 as one of 8 MiB (docs/performance.md,
-# Staging budget).
+# requests (smaller requests were slower on NVMe: docs/performance.md).
 STAGING_REQUEST_MB = 8
 
 # The smallest request the split may make (a budget below two of them per directory is refused).
 MIN_STAGING_CHUNK_MB = 2
 
-# Params whose model dtype is already fp32 are their own mains (the main *is* the
-# model param): their moments are streamed ("streamed", 8 of their 12 bytes per
-# element) or kept resident with them ("resident"). Resident above this many
-# elements is worth a warning.
+# Params whose model dtype is already fp32 are their own mains: their moments are streamed
+# ("streamed", 8 of their 12 bytes per element) or kept resident with them ("resident");
+# resident above this many elements is worth a warning.
 FP32_PARAM_MOMENTS = ("streamed", "resident")
 DEFAULT_RESIDENT_WARN_ELEMENTS = 16_000_000
 
@@ -140,15 +130,13 @@ class StreamConfig:
             default so large that every bucket is in flight at once, where a
             lower one would split the state further, is warned about.
         staging_budget_mb: host staging memory for transfers, in all (pinned on
-            CUDA): the pipelined engine splits it into a chunk per I/O thread
-            and direction, each chunk one transfer request (``STAGING_REQUEST_MB``
-            or larger: a smaller budget funds fewer threads; at least
-            ``MIN_STAGING_CHUNK_MB``); the
-            sync engine uses it whole as its one chunk. Streaming's host memory
-            is bounded by it (``staging_bytes_total``).
-        tier: the home of the buckets the budgets leave: ``"disk"`` (per-bucket
-            files under ``directory``) or ``"host"`` (pinned host memory;
-            ``directory`` is then unused by the step).
+            CUDA), which bounds streaming's host memory (``staging_bytes_total``):
+            the pipelined engine splits it into a chunk (one transfer request) per
+            I/O thread and direction, of ``STAGING_REQUEST_MB`` or more (a smaller
+            budget funds fewer threads; at least ``MIN_STAGING_CHUNK_MB``); the
+            sync engine uses it whole as its one chunk.
+        tier: the home of the buckets the budgets leave: ``"disk"`` (files under
+            ``directory``) or ``"host"`` (pinned host memory).
         gpu_budget_bytes: device memory the stored state of buckets kept on the
             device may take (the ``gpu`` home: a step copies them device to
             device, no PCIe or drive). Buckets fill it first, from the last the
@@ -178,13 +166,11 @@ class StreamConfig:
         io_threads: pipelined engine: requests in flight per direction (files,
             and pinned host memory's copies during forward and backward; a
             step's own copies of pinned host memory are queued on copy streams).
-        direct_io: pipelined engine on disk: open bucket files with
-            ``O_DIRECT`` (falls back to buffered I/O, with a log line, where the
-            filesystem refuses it).
+        direct_io: pipelined engine on disk: open bucket files with ``O_DIRECT``
+            (buffered I/O, with a log line, where the filesystem refuses it).
         main_storage: ``"fp32"`` or ``"remainder"`` (bf16 params only: 2 bytes
             per main instead of 4, still bit-exact).
-        io_timeout_s: pipelined engine: the longest a bucket's transfers may
-            take before the step fails (a hung drive).
+        io_timeout_s: pipelined engine: the longest a bucket's transfers may take before the step fails.
         fp32_param_moments: the moments of params whose model dtype is fp32
             (their own mains, which stay in the model): ``"streamed"`` (in
             buckets of their own, last in the walk; updated in place, so a step
@@ -192,8 +178,7 @@ class StreamConfig:
             ``"resident"`` (with the params, under one small optimizer, in
             fp32 whatever ``moment_dtype``). A checkpoint loads only under the
             setting it was saved with (saves from before it: ``"resident"``).
-        resident_warn_elements: warn when fp32-native params with resident
-            moments exceed this many elements.
+        resident_warn_elements: warn when fp32-native params with resident moments exceed this many elements.
         name: this process's scratch subdirectory under ``directory``; stable
             across restarts of the same rank so stale scratch gets purged.
         overlap_bytes: pipelined engine: device memory the state may hold across
