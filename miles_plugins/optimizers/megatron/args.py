@@ -64,6 +64,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _gib_flag(flag: str, default: float, help: str, auto: bool = True) -> tuple[str, dict[str, Any]]:
+    """A flag taking GiB (and, with ``auto``, the word ``auto``)."""
+    return flag, dict(type=lambda text: _gib(text, flag, auto), default=default, help=help)
+
+
+def _gib(text: str, flag: str, auto: bool = True) -> float | AutoBudget:
+    """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more; or ``auto``."""
+    if auto and text == AutoBudget.WORD:
+        return AUTO
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        also = f" or {AUTO}" if auto else ""
+        raise argparse.ArgumentTypeError(f"{flag} takes a number of GiB, 0 or more (e.g. 2.5){also}, got {text!r}")
+    return value
+
+
 _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--stream-optimizer-state-to-disk",
@@ -89,54 +108,42 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             help="where the state lives between steps: per-bucket files (disk) or pinned host memory (host)",
         ),
     ),
-    (
+    _gib_flag(
         "--stream-optimizer-state-gpu-budget-gb",
-        dict(
-            type=lambda text: _gib(text, "--stream-optimizer-state-gpu-budget-gb"),
-            default=0.0,
-            help="GiB (2^30 bytes) of GPU memory per rank for buckets kept on the GPU between steps (no "
-            "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert). 'auto': "
-            "after the first step, what the largest peak so far left, less --stream-optimizer-state-auto-gpu-margin-gb; "
-            "buckets go back to host or disk when a later peak leaves less than that margin",
-        ),
+        0.0,
+        "GiB (2^30 bytes) of GPU memory per rank for buckets kept on the GPU between steps (no "
+        "transfer); filled first; shared by the rank's optimizers in turn (dense, then expert). 'auto': "
+        "after the first step, what the largest peak so far left, less --stream-optimizer-state-auto-gpu-margin-gb; "
+        "buckets go back to host or disk when a later peak leaves less than that margin",
     ),
-    (
+    _gib_flag(
         "--stream-optimizer-state-host-budget-gb",
-        dict(
-            type=lambda text: _gib(text, "--stream-optimizer-state-host-budget-gb"),
-            default=0.0,
-            help="GiB (2^30 bytes) of pinned host memory per rank for buckets the GPU budget leaves, shared "
-            "like it; the rest go to the tier. A step that fails after updating a bucket in host or GPU memory "
-            "cannot be rolled back. 'auto': at setup, MemAvailable or the room under the cgroup's memory limit, less "
-            "--stream-optimizer-state-auto-host-margin-gb, divided by this node's ranks",
-        ),
+        0.0,
+        "GiB (2^30 bytes) of pinned host memory per rank for buckets the GPU budget leaves, shared "
+        "like it; the rest go to the tier. A step that fails after updating a bucket in host or GPU memory "
+        "cannot be rolled back. 'auto': at setup, MemAvailable or the room under the cgroup's memory limit, less "
+        "--stream-optimizer-state-auto-host-margin-gb, divided by this node's ranks",
     ),
-    (
+    _gib_flag(
         "--stream-optimizer-state-auto-gpu-margin-gb",
-        dict(
-            type=lambda text: _gib(text, "--stream-optimizer-state-auto-gpu-margin-gb", auto=False),
-            default=DEFAULT_AUTO_GPU_MARGIN_BYTES / 2**30,
-            help="GiB an 'auto' GPU budget leaves free for the forward/backward peak to grow into between two steps",
-        ),
+        DEFAULT_AUTO_GPU_MARGIN_BYTES / 2**30,
+        "GiB an 'auto' GPU budget leaves free for the forward/backward peak to grow into between two steps",
+        auto=False,
     ),
-    (
+    _gib_flag(
         "--stream-optimizer-state-auto-host-margin-gb",
-        dict(
-            type=lambda text: _gib(text, "--stream-optimizer-state-auto-host-margin-gb", auto=False),
-            default=DEFAULT_AUTO_HOST_MARGIN_BYTES / 2**30,
-            help="GiB of the node's host memory an 'auto' host budget leaves to everything else",
-        ),
+        DEFAULT_AUTO_HOST_MARGIN_BYTES / 2**30,
+        "GiB of the node's host memory an 'auto' host budget leaves to everything else",
+        auto=False,
     ),
-    (
+    _gib_flag(
         "--stream-optimizer-state-overlap-gb",
-        dict(
-            type=lambda text: _gib(text, "--stream-optimizer-state-overlap-gb", auto=False),
-            default=0.0,
-            help="GiB of GPU memory per rank the state may hold across the step boundary, so its transfers run "
-            "during forward and backward: the step's last buckets are written back during the next forward, then "
-            "the next step's first buckets are read (0: every transfer inside optimizer.step()); not with an "
-            "'auto' GPU budget",
-        ),
+        0.0,
+        "GiB of GPU memory per rank the state may hold across the step boundary, so its transfers run "
+        "during forward and backward: the step's last buckets are written back during the next forward, then "
+        "the next step's first buckets are read (0: every transfer inside optimizer.step()); not with an "
+        "'auto' GPU budget",
+        auto=False,
     ),
     (
         "--stream-optimizer-state-engine",
@@ -215,20 +222,6 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
 )
-
-
-def _gib(text: str, flag: str, auto: bool = True) -> float | AutoBudget:
-    """A budget flag's value: GiB (2**30 bytes), fractions allowed, 0 or more; or ``auto``."""
-    if auto and text == AutoBudget.WORD:
-        return AUTO
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        also = f" or {AUTO}" if auto else ""
-        raise argparse.ArgumentTypeError(f"{flag} takes a number of GiB, 0 or more (e.g. 2.5){also}, got {text!r}")
-    return value
 
 
 def default_directory() -> str:
