@@ -3,8 +3,9 @@
 Owns the save and the transactional load of a store (``persistence``), the
 manifest each save writes and every load verifies (``manifest``), resharding to
 another data-parallel size (the plan of which saved elements each new rank
-takes: ``reshard_plan``; done at load: ``reshard_load``; done offline, file to
-file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``, run as
+takes: ``reshard_plan``; the saved stores it reads from: ``reshard_peers``; their
+ranges read back verified: ``saved_ranges``; done at load: ``reshard_load``; done
+offline, file to file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``, run as
 ``python -m miles_plugins.optimizers.ckpt``). May import
 ``miles_plugins.optimizers.errors``, ``.config``, ``.formats``, ``.homes`` and
 ``.step`` (the per-bucket optimizers and codec whose state a save holds);

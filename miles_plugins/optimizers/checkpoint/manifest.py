@@ -43,6 +43,8 @@ CHECKSUM_KEY = "manifest_crc32"
 # A multiple of the direct-I/O alignment, so a block-aligned partial read can be direct.
 CRC_BLOCK_BYTES = 4 << 20
 RESIDENT_FILE = "resident.bin"
+# What a refusal to load a saved state offers instead of resuming it.
+START_FRESH = "start the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
 
 
 def checksum(data: dict[str, Any]) -> int:
@@ -245,14 +247,12 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
             if saved.get("pieces") is None:
                 found.append(
                     "this checkpoint was saved before checkpoints recorded each entry's param range, so it loads "
-                    "only at the parallel sizes it was saved at: resume at those, or start the optimizer fresh from "
-                    "the checkpoint's params (Megatron: --no-load-optim)"
+                    f"only at the parallel sizes it was saved at: resume at those, or {START_FRESH}"
                 )
             elif s.get("shard_peers") != v.get("shard_peers"):
                 found.append(
                     "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is not resharded, "
-                    "only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or start "
-                    "the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
+                    f"only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or {START_FRESH}"
                 )
         else:
             found.append(

@@ -39,7 +39,8 @@ from miles_plugins.optimizers.checkpoint.manifest import (
     differences,
     removed_moment_dtype,
 )
-from miles_plugins.optimizers.checkpoint.reshard_load import Peer, ReshardedLoad, chain_position
+from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad
+from miles_plugins.optimizers.checkpoint.reshard_peers import Peer, chain_position
 from miles_plugins.optimizers.checkpoint.reshard_plan import Piece
 from miles_plugins.optimizers.config import BLOCKWISE_MOMENT_DTYPES, MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
