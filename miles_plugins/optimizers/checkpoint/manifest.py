@@ -47,6 +47,18 @@ RESIDENT_FILE = "resident.bin"
 START_FRESH = "start the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
 
 
+# The fields a save adds to its store's description: the saved state, and the file table.
+SAVED_STATE_FIELDS = ("steps_taken", "bucket_state", "resident_state", "main_exceptions", "master_options", "files")
+# The fields Manifest.write adds.
+FORMAT_FIELDS = ("format", "format_version", "crc_block_bytes", CHECKSUM_KEY)
+
+
+def description_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The description of the store a manifest's ``data`` was saved from: every
+    field but the saved state and the format's own."""
+    return {k: v for k, v in data.items() if k not in SAVED_STATE_FIELDS and k not in FORMAT_FIELDS}
+
+
 def checksum(data: dict[str, Any]) -> int:
     """CRC-32 of the manifest's canonical JSON, its own checksum left out."""
     body = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
@@ -58,6 +70,30 @@ class Manifest:
     """The parsed ``manifest.json`` of one saved store."""
 
     data: dict[str, Any]
+
+    @classmethod
+    def of_save(
+        cls,
+        description: dict[str, Any],
+        *,
+        steps_taken: int,
+        bucket_state: list,
+        resident_state: dict | None,
+        main_exceptions: list | None,
+        master_options: list | None,
+        files: dict[str, dict],
+    ) -> Manifest:
+        """The manifest of a save: the store's ``description`` and what the save
+        holds (:data:`SAVED_STATE_FIELDS`); :meth:`write` adds the format's fields."""
+        saved = {
+            "steps_taken": steps_taken,
+            "bucket_state": bucket_state,
+            "resident_state": resident_state,
+            "main_exceptions": main_exceptions,
+            "master_options": master_options,
+            "files": files,
+        }
+        return cls({**description, **saved})
 
     @property
     def files(self) -> dict[str, dict]:
