@@ -3,7 +3,8 @@
 Owns the save and the transactional load of a store (``persistence``), the
 manifest each save writes and every load verifies (``manifest``), resharding to
 another data-parallel size, and the operator's ``ckpt`` command (``cli``, run as
-``python -m miles_plugins.optimizers.ckpt``). Resharding: the plan of which saved
+``python -m miles_plugins.optimizers.ckpt``; its checks of a saved state without
+a live store: ``inspection``). Resharding: the plan of which saved
 elements each new rank takes (``reshard_plan``), the saved stores a rank reads
 them from (``reshard_peers``), those ranges read back verified (``saved_ranges``);
 done at load (``reshard_load``), or offline, file to file (``reshard_offline``:
