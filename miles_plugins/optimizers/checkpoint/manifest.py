@@ -12,11 +12,12 @@ state: the format version, the on-disk dtypes, the layout (buckets, per-entry
 sizes, file sizes), the parallel topology (sizes and this rank's coordinates),
 the optimizer's step counts and its small per-param state, which elements of
 which param each entry holds (``pieces``), each file's size and checksums, and
-(from format version 2) a CRC-32 of the manifest itself, so a damaged or edited
-manifest is refused before anything in it is believed. From format version 3 a
-file's checksum is a CRC-32 per ``crc_block_bytes`` block, so a read of part of
-a file (a load at another DP size) can verify what it read; before, one CRC-32
-per file.
+a CRC-32 of the manifest itself, so a damaged or edited manifest is refused
+before anything in it is believed.
+
+Format versions, all read: 1 has one CRC-32 per file; 2 adds the manifest's own
+CRC-32; 3 checksums each file per ``crc_block_bytes`` block, so a read of part
+of a file (a load at another DP size) can verify what it read.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from typing import Any
 
 from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.homes.fs import MANIFEST_NAME, fsync, open_file  # MANIFEST_NAME: imported from here too
+from miles_plugins.optimizers.homes.fs import MANIFEST_NAME, fsync, open_file
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "miles.streamed_optimizer_state"
-# 2: the manifest carries its own checksum; 3: a CRC-32 per block of each file.
-# Older manifests still load, so checkpoints written before stay usable.
+# The version written, and those read (see the module docstring).
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_KEY = "manifest_crc32"
