@@ -258,7 +258,7 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
     """Every compared field where ``saved`` and ``live`` differ, described; with
     ``sharding`` False, only those a resharded load cannot bridge (formats, optimizer)."""
     found = []
-    # Saves from before the setting existed kept fp32 params' moments resident.
+    # A save that does not record the setting kept fp32 params' moments resident.
     kept = saved.get("fp32_param_moments", "resident"), live.get("fp32_param_moments", "resident")
     if kept[0] != kept[1] and (_has_fp32_params(saved) or _has_fp32_params(live)):
         found.append(
