@@ -99,8 +99,8 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
         return
     directory = state_dir(checkpoint_name, ckpt_type)
     for store in stores:
-        if store in _resumed:  # not stepped since its load: the run may count from elsewhere
-            _check_continuation(*_resumed[store])
+        if store in _awaiting_continuation:  # not stepped since its load: the run may count from elsewhere
+            _check_continuation(*_awaiting_continuation[store])
         store.save_to(directory)
 
 
@@ -130,7 +130,7 @@ def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
 
 # Stores loaded from a checkpoint that have not stepped since -> (the iteration
 # their state belongs to, its directory, Megatron's args).
-_resumed: weakref.WeakKeyDictionary[Any, tuple[int, str, Any]] = weakref.WeakKeyDictionary()
+_awaiting_continuation: weakref.WeakKeyDictionary[Any, tuple[int, str, Any]] = weakref.WeakKeyDictionary()
 
 
 def _iteration_of(directory: str) -> int | None:
@@ -143,33 +143,28 @@ def _expect_continuation(args: Any, store: OptimizerStateStore, directory: str) 
     """Refuse to go on from an iteration other than the one the loaded state belongs to.
 
     ``load_checkpoint`` returns the iteration the run counts from; the streamed
-    state comes from the directory the hook was given. They can differ: the
-    legacy format with the distributed optimizer re-reads
-    ``latest_checkpointed_iteration.txt`` and so ignores ``--ckpt-step``
-    (core_v0.19.0, dev), loading params and the streamed state from the asked
-    iteration while counting from the latest (refused at the load itself,
-    :func:`_check_legacy_count`). Megatron's ``args.iteration`` is set from
-    ``load_checkpoint`` by ``setup_model_and_optimizer`` and not advanced by the
-    training loop, so it is checked before the store's next step and by a save
-    that comes before any step (the run ended at once, or its first steps were
-    skipped). A caller that does not set it gets no check here.
-    ``--override-ckpt-iteration`` asks for a count of its own, and a run counting
-    from exactly that is let through.
+    state comes from the directory the hook was given, and the two can differ (a
+    legacy checkpoint with the distributed optimizer counts from its tracker file:
+    :func:`_check_legacy_count`, docs/checkpoints.md). Megatron's ``args.iteration``
+    holds that count (set by ``setup_model_and_optimizer``, not advanced by the
+    training loop), so it is compared before the store's next step and by a save
+    that comes before any step; a caller that does not set it gets no check. A run
+    counting from exactly ``--override-ckpt-iteration`` is let through.
     """
     loaded = _iteration_of(directory)
     if loaded is None:
-        _resumed.pop(store, None)
+        _awaiting_continuation.pop(store, None)
         return
-    armed = store in _resumed
-    _resumed[store] = (loaded, directory, args)  # a reload replaces what an earlier load expected
+    armed = store in _awaiting_continuation
+    _awaiting_continuation[store] = (loaded, directory, args)  # a reload replaces what an earlier load expected
     if armed:
         return
 
     def check() -> None:
-        expected = _resumed.get(store)
+        expected = _awaiting_continuation.get(store)
         if expected is not None:
             _check_continuation(*expected)
-            del _resumed[store]
+            del _awaiting_continuation[store]
 
     before_next_step = getattr(store, "before_next_step", None)
     if before_next_step is not None:

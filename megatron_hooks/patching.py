@@ -23,8 +23,8 @@ from megatron_hooks.contract import HOOK_ABI_VERSION
 TARGET = "megatron/training/checkpointing.py"
 DEFAULT_PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
 
-# Hooks an earlier, out-of-tree version of this work put into radixark/Megatron-LM
-# (PR #63): stores under `_nvme_state_store`, saved under the checkpoint name.
+# Other optimizer-state hooks a tree may carry: a name only they use -> where they come
+# from. Patching over them would save the state twice or under the wrong name.
 FOREIGN_HOOK_SIGNATURES = {"_nvme_state_store": "radixark/Megatron-LM #63 (attribute _nvme_state_store)"}
 
 

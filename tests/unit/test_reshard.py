@@ -72,7 +72,7 @@ def megatron_param_layout(model) -> dict:
 def test_the_offline_sharding_is_megatrons():
     """reshard_offline computes a new DP size's sharding from the recorded layout alone:
     the same pieces as megatron-core's range code."""
-    from miles_plugins.optimizers.checkpoint.reshard_offline import megatron_pieces
+    from miles_plugins.optimizers.checkpoint.reshard_targets import megatron_pieces
 
     model = _model(5)
     for dp in range(1, 9):

@@ -2,11 +2,14 @@
 
 Owns the save and the transactional load of a store (``persistence``), the
 manifest each save writes and every load verifies (``manifest``), resharding to
-another data-parallel size (the plan of which saved elements each new rank
-takes: ``reshard_plan``; done at load: ``reshard_load``; done offline, file to
-file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``, run as
-``python -m miles_plugins.optimizers.ckpt``). May import
-``miles_plugins.optimizers.errors``, ``.config``, ``.formats``, ``.homes`` and
-``.step`` (the per-bucket optimizers and codec whose state a save holds);
-never the store or ``megatron``.
+another data-parallel size, and the operator's ``ckpt`` command (``cli``, run as
+``python -m miles_plugins.optimizers.ckpt``; its checks of a saved state without
+a live store: ``inspection``). Resharding: the plan of which saved
+elements each new rank takes (``reshard_plan``), the saved stores a rank reads
+them from (``reshard_peers``), those ranges read back verified (``saved_ranges``);
+done at load (``reshard_load``), or offline, file to file (``reshard_offline``:
+the new ranks' stores planned by ``reshard_targets``, written and published by
+``reshard_output``). May import ``miles_plugins.optimizers.errors``,
+``.config``, ``.formats``, ``.homes`` and ``.step`` (the per-bucket optimizers
+and codec whose state a save holds); never the store or ``megatron``.
 """

@@ -12,11 +12,12 @@ state: the format version, the on-disk dtypes, the layout (buckets, per-entry
 sizes, file sizes), the parallel topology (sizes and this rank's coordinates),
 the optimizer's step counts and its small per-param state, which elements of
 which param each entry holds (``pieces``), each file's size and checksums, and
-(from format version 2) a CRC-32 of the manifest itself, so a damaged or edited
-manifest is refused before anything in it is believed. From format version 3 a
-file's checksum is a CRC-32 per ``crc_block_bytes`` block, so a read of part of
-a file (a load at another DP size) can verify what it read; before, one CRC-32
-per file.
+a CRC-32 of the manifest itself, so a damaged or edited manifest is refused
+before anything in it is believed.
+
+Format versions, all read: 1 has one CRC-32 per file; 2 adds the manifest's own
+CRC-32; 3 checksums each file per ``crc_block_bytes`` block, so a read of part
+of a file (a load at another DP size) can verify what it read.
 """
 
 from __future__ import annotations
@@ -30,19 +31,32 @@ from typing import Any
 
 from miles_plugins.optimizers.config import REMOVED_MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.homes.fs import MANIFEST_NAME, fsync, open_file  # MANIFEST_NAME: imported from here too
+from miles_plugins.optimizers.homes.fs import MANIFEST_NAME, fsync, open_file
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "miles.streamed_optimizer_state"
-# 2: the manifest carries its own checksum; 3: a CRC-32 per block of each file.
-# Older manifests still load, so checkpoints written before stay usable.
+# The version written, and those read (see the module docstring).
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 CHECKSUM_KEY = "manifest_crc32"
 # A multiple of the direct-I/O alignment, so a block-aligned partial read can be direct.
 CRC_BLOCK_BYTES = 4 << 20
 RESIDENT_FILE = "resident.bin"
+# What a refusal to load a saved state offers instead of resuming it.
+START_FRESH = "start the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
+
+
+# The fields a save adds to its store's description: the saved state, and the file table.
+SAVED_STATE_FIELDS = ("steps_taken", "bucket_state", "resident_state", "main_exceptions", "master_options", "files")
+# The fields Manifest.write adds.
+FORMAT_FIELDS = ("format", "format_version", "crc_block_bytes", CHECKSUM_KEY)
+
+
+def description_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The description of the store a manifest's ``data`` was saved from: every
+    field but the saved state and the format's own."""
+    return {k: v for k, v in data.items() if k not in SAVED_STATE_FIELDS and k not in FORMAT_FIELDS}
 
 
 def checksum(data: dict[str, Any]) -> int:
@@ -56,6 +70,30 @@ class Manifest:
     """The parsed ``manifest.json`` of one saved store."""
 
     data: dict[str, Any]
+
+    @classmethod
+    def of_save(
+        cls,
+        description: dict[str, Any],
+        *,
+        steps_taken: int,
+        bucket_state: list,
+        resident_state: dict | None,
+        main_exceptions: list | None,
+        master_options: list | None,
+        files: dict[str, dict],
+    ) -> Manifest:
+        """The manifest of a save: the store's ``description`` and what the save
+        holds (:data:`SAVED_STATE_FIELDS`); :meth:`write` adds the format's fields."""
+        saved = {
+            "steps_taken": steps_taken,
+            "bucket_state": bucket_state,
+            "resident_state": resident_state,
+            "main_exceptions": main_exceptions,
+            "master_options": master_options,
+            "files": files,
+        }
+        return cls({**description, **saved})
 
     @property
     def files(self) -> dict[str, dict]:
@@ -220,7 +258,7 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
     """Every compared field where ``saved`` and ``live`` differ, described; with
     ``sharding`` False, only those a resharded load cannot bridge (formats, optimizer)."""
     found = []
-    # Saves from before the setting existed kept fp32 params' moments resident.
+    # A save that does not record the setting kept fp32 params' moments resident.
     kept = saved.get("fp32_param_moments", "resident"), live.get("fp32_param_moments", "resident")
     if kept[0] != kept[1] and (_has_fp32_params(saved) or _has_fp32_params(live)):
         found.append(
@@ -245,14 +283,12 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
             if saved.get("pieces") is None:
                 found.append(
                     "this checkpoint was saved before checkpoints recorded each entry's param range, so it loads "
-                    "only at the parallel sizes it was saved at: resume at those, or start the optimizer fresh from "
-                    "the checkpoint's params (Megatron: --no-load-optim)"
+                    f"only at the parallel sizes it was saved at: resume at those, or {START_FRESH}"
                 )
             elif s.get("shard_peers") != v.get("shard_peers"):
                 found.append(
                     "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is not resharded, "
-                    "only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or start "
-                    "the optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
+                    f"only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or {START_FRESH}"
                 )
         else:
             found.append(

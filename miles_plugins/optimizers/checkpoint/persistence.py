@@ -45,7 +45,8 @@ from miles_plugins.optimizers.checkpoint.manifest import (
     crc_mismatch,
     differences,
 )
-from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad, can_reshard_from, find_peers
+from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad
+from miles_plugins.optimizers.checkpoint.reshard_peers import can_reshard_from, find_peers
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.file_io import BlockCrc, copy_file_crc32, pwrite_full

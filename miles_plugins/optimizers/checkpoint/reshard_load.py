@@ -1,250 +1,100 @@
-"""A load of a state saved under another data-parallel sharding (``reshard.plan`` applied).
+"""A load of a state saved under another data-parallel sharding (``reshard_plan.plan`` applied).
 
 When this rank's store has no save of its own in the checkpoint, or its save
 differs only in the sharding (DP size and rank, so the layout), the state is
-rebuilt from its *peers*: the saved stores of the same optimizer (the
-``.opt<i>`` of the chain) whose topology names the same ``shard_peers`` (TP,
-PP and EP sizes and the ranks that select the same params). Each peer's
-manifest (format 3) records which elements of which param each of its entries
-holds; this rank's entries are filled from those ranges, one entry of one
-segment at a time (memory: one entry's stored bytes, never the whole state).
-
-Every byte read is verified: reads cover whole checksum blocks of the saved
-files (``manifest.CRC_BLOCK_BYTES``) and each block's CRC-32 is checked. The
-small state follows the elements: per-param step counts (equal across the
-pieces of one param, or refused), group step state, remainder exceptions
-(their indices remapped), the moments of resident fp32 params. Storage
-formats must match the live store's: elementwise segments (fp32 and bf16
-moments, fp32 and remainder mains) are copied byte for byte; blockwise 8-bit
-moments are decoded from the saved blocks a range touches and quantized again
-in the new entry's blocks (exact where the blocks coincide).
+rebuilt from its peers' saves (``reshard_peers``). Each peer's manifest
+(format 3) records which elements of which param each of its entries holds;
+this rank's entries are filled from those ranges, one entry of one segment at a
+time (memory: one entry's stored bytes, never the whole state), every byte read
+verified (``saved_ranges``). The small state follows the elements: per-param
+step counts (equal across the pieces of one param, or refused), group step
+state, remainder exceptions (their indices remapped), the moments of resident
+fp32 params. Storage formats must match the live store's.
 
 Like the same-sharding load, it is a transaction: everything is read and
 checked before the live state changes (disk tier: into the spare slots; host
-tier: a first pass reads and verifies, a second writes).
+tier: a first pass reads and verifies, a second writes). The same load fills
+the new stores of an offline reshard (``reshard_output``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from miles_plugins.optimizers.checkpoint.manifest import (
-    MANIFEST_NAME,
-    RESIDENT_FILE,
-    Manifest,
-    crc_mismatch,
-    differences,
-)
+from miles_plugins.optimizers.checkpoint.manifest import RESIDENT_FILE
+from miles_plugins.optimizers.checkpoint.reshard_peers import Peer
 from miles_plugins.optimizers.checkpoint.reshard_plan import Copy, Piece, RemapError, plan
+from miles_plugins.optimizers.checkpoint.saved_ranges import SavedEntry, SavedFiles, copied_segment, requantized_segment
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.formats import quant8, remainder
+from miles_plugins.optimizers.formats import remainder
 from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_bucket
-from miles_plugins.optimizers.homes.file_io import BlockCrc, pread_full
-from miles_plugins.optimizers.homes.fs import check_plain_dir, open_file, saved_dirs
+from miles_plugins.optimizers.homes.host_memory import HostMemory
+
+if TYPE_CHECKING:
+    from miles_plugins.optimizers.homes.protocols import Backing, Handle
+
+# Bytes per element of the resident (fp32-native) params' moments, and moments per param.
+_RESIDENT_ITEMSIZE, _RESIDENT_MOMENTS = 4, 2
 
 
-def chain_position(name: str) -> str:
-    """``opt<i>`` of a store named ``rank<k>.opt<i>`` (the optimizer it belongs to)."""
-    return name.rsplit(".", 1)[-1]
+class ReshardTarget(Protocol):
+    """The store a resharded load fills: a live store's persistence, or a new
+    store an offline reshard writes.
 
+    ``description``: the store's manifest description, with ``pieces`` (per bucket,
+    per entry [param name, start, master group]) and ``resident_pieces``;
+    ``buckets``: its layout; ``resident_mains``: the fp32-native entries' mains
+    (only their sizes are read); ``backing``: where the bucket bytes go (its spare
+    slot on disk); ``buffer()``: a host staging buffer free for the load.
+    """
 
-def can_reshard_from(saved: dict, live: dict) -> bool:
-    """Whether ``saved`` (a manifest's data) differs from ``live`` (a store's
-    description) only in its sharding, and records what a remap needs."""
-    peers = (live.get("topology") or {}).get("shard_peers")
-    return (
-        peers is not None
-        and (saved.get("topology") or {}).get("shard_peers") == peers
-        and saved.get("pieces") is not None
-        and not differences(saved, live, sharding=False)
-    )
-
-
-@dataclass
-class Peer:
-    """One saved store this rank's state is rebuilt from."""
-
-    directory: str
-    manifest: Manifest
-
-    @property
-    def data(self) -> dict:
-        return self.manifest.data
-
-
-def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
-    """Every saved store under ``base_dir`` of this store's optimizer and shard
-    peers; [] when there is none. Raises when this optimizer's saves exist but
-    none can serve, saying why: written before checkpoints recorded param ranges,
-    another TP/PP/EP size, or another storage format or optimizer."""
-    ours = (live.get("topology") or {}).get("shard_peers")
-    if ours is None:
-        return []  # a store that records no peers (no data parallelism) is never resharded
-    try:
-        stores = sorted(saved_dirs(base_dir).items())  # a cut-off replace's previous save included
-    except FileNotFoundError:
-        return []
-    peers, unfit, older, other_sizes = [], [], [], set()
-    for other, path in stores:
-        if chain_position(other) != chain_position(name):
-            continue
-        check_plain_dir(path)  # as a load of its own save refuses a symlink
-        if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-            continue
-        manifest = Manifest.read(path)
-        theirs = (manifest.data.get("topology") or {}).get("shard_peers")
-        if theirs is None or manifest.data.get("pieces") is None:
-            older.append(other)
-        elif theirs == ours:
-            (peers if can_reshard_from(manifest.data, live) else unfit).append(Peer(path, manifest))
-        elif _sizes(theirs) != _sizes(ours):
-            other_sizes.add(", ".join(f"{k} {theirs.get(k)} -> {ours.get(k)}" for k in sorted(_sizes(ours))))
-        # else: another TP/PP/EP coordinate of the same sizes, whose params are not this rank's
-    if unfit:
-        raise CheckpointMismatchError(
-            f"cannot reshard the streamed optimizer state from {', '.join(p.directory for p in unfit)}: "
-            + "; ".join(differences(unfit[0].data, live, sharding=False))
-        )
-    if not peers and older:
-        raise CheckpointMismatchError(
-            f"{base_dir} holds streamed optimizer state ({', '.join(older[:4])}{' ...' if len(older) > 4 else ''}) "
-            "saved before checkpoints recorded each entry's param range, or at another sharding than this run's: it "
-            "loads only at the data-parallel size it was saved at. Resume at that size, or start the optimizer "
-            "fresh from the checkpoint's params (Megatron: --no-load-optim)"
-        )
-    if not peers and other_sizes:
-        raise CheckpointMismatchError(
-            f"the streamed optimizer state in {base_dir} was saved with other parallel sizes ({'; '.join(other_sizes)}"
-            "): only the data-parallel size may change. Resume with the saved TP, PP and EP sizes, or start the "
-            "optimizer fresh from the checkpoint's params (Megatron: --no-load-optim)"
-        )
-    return peers
-
-
-def _sizes(shard_peers: dict) -> dict:
-    return {k: v for k, v in shard_peers.items() if k.endswith("_size")}
-
-
-class VerifiedFile:
-    """Reads of any byte range of a saved file, each covering whole checksum blocks
-    whose CRC-32s are checked (the last block read is kept for the next read)."""
-
-    def __init__(self, path: str, manifest: Manifest, name: str) -> None:
-        self.path, self.size = path, manifest.files[name]["size"]
-        self.block_bytes, self.crcs = manifest.block_bytes, manifest.crcs(name)
-        self.fd = open_file(path, os.O_RDONLY)
-        self._last: tuple[int, bytearray] | None = None
-
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes from ``offset``, every block they touch verified."""
-        n, b = len(out), self.block_bytes
-        if offset < 0 or offset + n > self.size:
-            raise CheckpointMismatchError(f"{self.path}: bytes {offset}-{offset + n - 1} are past its end")
-        done = 0
-        while done < n:
-            index, within = divmod(offset + done, b)
-            block = self._block(index)
-            take = min(n - done, len(block) - within)
-            out[done : done + take] = block[within : within + take]
-            done += take
-
-    def _block(self, index: int) -> bytearray:
-        if self._last is None or self._last[0] != index:
-            data = bytearray(min(self.block_bytes, self.size - index * self.block_bytes))
-            pread_full(self.fd, self.path, index * self.block_bytes, memoryview(data))
-            crc = BlockCrc(None)
-            crc.update(data)
-            mismatch = crc_mismatch(crc.blocks, [self.crcs[index]], None)
-            if mismatch:
-                raise CheckpointMismatchError(f"{self.path}: block {index}: {mismatch}: the checkpoint is corrupt")
-            self._last = (index, data)
-        return self._last[1]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def _param_slots(groups: Sequence[int]) -> list[tuple[int, int]]:
-    """Per entry (given its master group index, in bucket order) its (group, position)
-    in the bucket optimizer, whose groups follow the order of first appearance."""
-    order: dict[int, int] = {}
-    counts: dict[int, int] = {}
-    slots = []
-    for g in groups:
-        gi = order.setdefault(g, len(order))
-        slots.append((gi, counts.get(gi, 0)))
-        counts[gi] = counts.get(gi, 0) + 1
-    return slots
+    description: dict
+    buckets: Sequence[BucketLayout]
+    resident_mains: Sequence[torch.Tensor]
+    backing: Backing
+    buffer: Callable[[], HostMemory]
 
 
 class ReshardedLoad:
     """Rebuild one store's state from its peers' saves (see the module docstring).
 
-    ``persistence`` is the live store's
-    :class:`~miles_plugins.optimizers.checkpoint.persistence.Persistence`: its description
-    (``pieces``: per bucket, per entry [param name, start, group]), buckets,
-    backing, staging buffer and resident mains. Construction plans every copy
-    and checks the peers' files (presence, sizes, layouts) without reading them.
+    Construction plans every copy and checks the peers' files (presence, sizes,
+    layouts) without reading them; :attr:`steps` is the saved step count.
     """
 
-    def __init__(self, persistence, peers: list[Peer]) -> None:
-        self.p, self.peers = persistence, peers
-        live = persistence.description
+    def __init__(self, target: ReshardTarget, peers: Sequence[Peer]) -> None:
+        self.target, self.peers = target, list(peers)
+        live = target.description
         self.live_pieces = [
             [Piece(n, s, numel) for (n, s, _), numel in zip(pieces, b.numels, strict=True)]
-            for pieces, b in zip(live["pieces"], persistence.buckets, strict=True)
+            for pieces, b in zip(live["pieces"], target.buckets, strict=True)
         ]
         self.live_groups = [[g for _, _, g in pieces] for pieces in live["pieces"]]
-        resident_numels = [m.numel() for m in persistence.resident_mains]
+        resident_numels = [m.numel() for m in target.resident_mains]
         self.live_resident = [
             Piece(n, s, numel) for (n, s, _), numel in zip(live["resident_pieces"], resident_numels, strict=True)
         ]
         self.live_resident_groups = [g for _, _, g in live["resident_pieces"]]
         # Per peer: each saved bucket's layout and optimizer slots, the resident slots and file offsets.
-        self.source_layouts: list[list[BucketLayout]] = []
+        self.source_layouts: list[list[BucketLayout | None]] = []
         self.source_slots: list[list[list[tuple[int, int]]]] = []
         self.resident_slots: list[list[tuple[int, int]]] = []
         self.resident_offsets: list[list[int]] = []
         self._plan()
 
-    # ---- the plan and the small state ------------------------------------------
+    # ---- the plan ------------------------------------------------------------------
 
     def _plan(self) -> None:
-        sources, resident_sources, problems = [], [], []
-        for s, peer in enumerate(self.peers):
-            data = peer.data
-            problems += peer.manifest.file_problems(peer.directory).values()
-            layouts = [self._source_layout(b, bucket, data["main_dtype"]) for b, bucket in enumerate(data["layout"])]
-            problems += [
-                f"{peer.directory}: {bucket['file']} is laid out for {bucket['size']} bytes, this version lays "
-                f"it out in {layout.file_size} (written by a version with another file layout)"
-                for bucket, layout in zip(data["layout"], layouts, strict=True)
-                if layout is not None and (layout.file_size != bucket["size"] or layout.file_name != bucket["file"])
-            ]
-            self.source_layouts.append(layouts)
-            self.source_slots.append([_param_slots([g for _, _, g in pieces]) for pieces in data["pieces"]])
-            store = os.path.basename(peer.directory)
-            for b, (bucket, pieces) in enumerate(zip(data["layout"], data["pieces"], strict=True)):
-                for k, (name, start, _) in enumerate(pieces):
-                    where = _Location(f"{store} bucket {b} entry {k}", s, b, k)
-                    sources.append((where, Piece(name, start, bucket["numels"][k])))
-            slots = _param_slots([g for _, _, g in data["resident_pieces"]])
-            self.resident_slots.append(slots)
-            offsets, offset = [], 0
-            for (gi, j), numel in zip(slots, data["resident_numels"], strict=True):
-                offsets.append(offset)
-                offset += 2 * 4 * numel if data["resident_state"]["params"][gi][j] is not None else 0
-            self.resident_offsets.append(offsets)
-            if data["resident_pieces"] and data["files"].get(RESIDENT_FILE, {}).get("size") != offset:
-                problems.append(f"{peer.directory}: {RESIDENT_FILE} does not hold the moments its state describes")
-            for k, ((name, start, _), numel) in enumerate(
-                zip(data["resident_pieces"], data["resident_numels"], strict=True)
-            ):
-                resident_sources.append((_Location(f"{store} resident entry {k}", s, k), Piece(name, start, numel)))
+        """Every live entry's copies from the peers' pieces; raises naming every problem."""
+        sources: list[tuple[Hashable, Piece]] = []
+        resident_sources: list[tuple[Hashable, Piece]] = []
+        problems = []
+        for index, peer in enumerate(self.peers):
+            problems += self._add_peer(index, peer, sources, resident_sources)
         steps = {peer.data.get("steps_taken") for peer in self.peers}
         if len(steps) != 1:
             problems.append(f"the saved stores hold the state after different steps: {sorted(steps)}")
@@ -260,21 +110,55 @@ class ReshardedLoad:
             )
         self.steps = steps.pop()
 
+    def _add_peer(self, index: int, peer: Peer, sources: list, resident_sources: list) -> list[str]:
+        """Record peer ``index``'s bucket layouts, optimizer slots and resident offsets,
+        add its pieces to ``sources`` and ``resident_sources``; the problems of its files."""
+        data = peer.data
+        problems = list(peer.manifest.file_problems(peer.directory).values())
+        layouts = [self._source_layout(b, bucket, data["main_dtype"]) for b, bucket in enumerate(data["layout"])]
+        problems += [
+            f"{peer.directory}: {bucket['file']} is laid out for {bucket['size']} bytes, this version lays "
+            f"it out in {layout.file_size} (written by a version with another file layout)"
+            for bucket, layout in zip(data["layout"], layouts, strict=True)
+            if layout is not None and (layout.file_size != bucket["size"] or layout.file_name != bucket["file"])
+        ]
+        self.source_layouts.append(layouts)
+        self.source_slots.append([_optimizer_slots([g for _, _, g in pieces]) for pieces in data["pieces"]])
+        store = os.path.basename(peer.directory)
+        for b, (bucket, pieces) in enumerate(zip(data["layout"], data["pieces"], strict=True)):
+            for k, (name, start, _) in enumerate(pieces):
+                where = _SavedLocation(f"{store} bucket {b} entry {k}", index, b, k)
+                sources.append((where, Piece(name, start, bucket["numels"][k])))
+        slots = _optimizer_slots([g for _, _, g in data["resident_pieces"]])
+        self.resident_slots.append(slots)
+        offsets, total = _resident_offsets(data, slots)
+        self.resident_offsets.append(offsets)
+        if data["resident_pieces"] and data["files"].get(RESIDENT_FILE, {}).get("size") != total:
+            problems.append(f"{peer.directory}: {RESIDENT_FILE} does not hold the moments its state describes")
+        for k, ((name, start, _), numel) in enumerate(
+            zip(data["resident_pieces"], data["resident_numels"], strict=True)
+        ):
+            where = _SavedLocation(f"{store} resident entry {k}", index, k)
+            resident_sources.append((where, Piece(name, start, numel)))
+        return problems
+
     def _names(self) -> str:
         names = [os.path.basename(p.directory) for p in self.peers]
         return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
 
     def _source_layout(self, index: int, bucket: dict, main_dtype: str) -> BucketLayout | None:
         """A saved bucket's file layout, from its entry sizes and the saved main storage
-        (the moments' format equals the live one: :func:`can_reshard_from`); checked
-        against the saved file size by :meth:`_plan`."""
-        if not self.p.buckets:
+        (the moments' format equals the live one: ``reshard_peers.can_reshard_from``);
+        checked against the saved file size by :meth:`_add_peer`."""
+        if not self.target.buckets:
             return None
         main = MAIN_DTYPE if main_dtype == "fp32" else remainder.STORAGE_DTYPE
-        moment = self.p.buckets[0].segments["exp_avg"]
+        moment = self.target.buckets[0].segments["exp_avg"]
         numels = bucket["numels"]
         with_main = bucket.get("main", True)
         return layout_bucket(index, range(len(numels)), numels, moment.dtype, main, moment.blockwise, with_main)
+
+    # ---- the small state ---------------------------------------------------------
 
     def bucket_states(self) -> list[dict]:
         """Each live bucket optimizer's saved state, assembled from its pieces' sources."""
@@ -284,6 +168,7 @@ class ReshardedLoad:
         ]
 
     def resident_state(self) -> dict:
+        """The resident params' optimizer state, assembled from their pieces' sources."""
         return self._state(self.live_resident_groups, self.resident_copies, self._resident_param_state)
 
     def _state(self, groups: Sequence[int], copies: Sequence[Sequence[Copy]], source_state: Callable) -> dict:
@@ -292,7 +177,7 @@ class ReshardedLoad:
         of one param must agree, and every source of one group."""
         out_groups: dict[int, dict] = {}
         out_params: list[list] = [[] for _ in range(len(set(groups)))]
-        for (gi, _), entry_copies in zip(_param_slots(groups), copies, strict=True):
+        for (gi, _), entry_copies in zip(_optimizer_slots(groups), copies, strict=True):
             states = [source_state(c) for c in entry_copies]
             group_state, param_state = states[0]
             if any(other != states[0] for other in states[1:]):
@@ -307,15 +192,15 @@ class ReshardedLoad:
         return {"groups": [out_groups.get(gi, {}) for gi in range(len(out_params))], "params": out_params}
 
     def _bucket_param_state(self, copy: Copy) -> tuple[dict, object]:
-        s, b, k = copy.source
-        gi, j = self.source_slots[s][b][k]
-        saved = self.peers[s].data["bucket_state"][b]
+        peer, b, k = copy.source
+        gi, j = self.source_slots[peer][b][k]
+        saved = self.peers[peer].data["bucket_state"][b]
         return saved["groups"][gi], saved["params"][gi][j]
 
     def _resident_param_state(self, copy: Copy) -> tuple[dict, object]:
-        s, k = copy.source
-        gi, j = self.resident_slots[s][k]
-        saved = self.peers[s].data["resident_state"]
+        peer, k = copy.source
+        gi, j = self.resident_slots[peer][k]
+        saved = self.peers[peer].data["resident_state"]
         return saved["groups"][gi], saved["params"][gi][j]
 
     def exceptions(self) -> list:
@@ -326,9 +211,9 @@ class ReshardedLoad:
             for entry_copies in copies_of_bucket:
                 index, high = [], []
                 for c in entry_copies:
-                    s, b, k = c.source
-                    src_index, src_high = self.peers[s].data["main_exceptions"][b][k]
-                    for i, h in zip(src_index, src_high, strict=True):
+                    peer, b, k = c.source
+                    saved_index, saved_high = self.peers[peer].data["main_exceptions"][b][k]
+                    for i, h in zip(saved_index, saved_high, strict=True):
                         if c.source_offset <= i < c.source_offset + c.count:
                             index.append(i - c.source_offset + c.target_offset)
                             high.append(h)
@@ -345,74 +230,32 @@ class ReshardedLoad:
         Host memory: one entry's segment, and one checksum block per saved file a
         live bucket reads (those files are closed before the next bucket)."""
         for bucket in buckets:
-            b = bucket.index
-            files: dict[tuple[int, int], VerifiedFile] = {}
-            handle = self.p.backing.open(bucket) if write else None
-            try:
-                for name, segment in bucket.segments.items():
-                    for k, entry_copies in enumerate(self.copies[b]):
-                        if segment.blockwise:
-                            out = self._requantized(name, bucket.numels[k], entry_copies, files)
-                        else:
-                            out = self._copied(name, segment.dtype.itemsize, bucket.numels[k], entry_copies, files)
-                        if handle is not None:
-                            self._write(handle, segment.entry_offsets[k], out)
-            finally:
-                if handle is not None:
-                    handle.close()
-                for f in files.values():
-                    f.close()
+            with SavedFiles() as files:
+                handle = self.target.backing.open(bucket) if write else None
+                try:
+                    for name, segment in bucket.segments.items():
+                        for k, entry_copies in enumerate(self.copies[bucket.index]):
+                            ranges = ((self._saved_entry(c, name, files), c) for c in entry_copies)
+                            if segment.blockwise:
+                                out = requantized_segment(name, bucket.numels[k], ranges)
+                            else:
+                                out = copied_segment(segment.dtype.itemsize, bucket.numels[k], ranges)
+                            if handle is not None:
+                                self._write(handle, segment.entry_offsets[k], out)
+                finally:
+                    if handle is not None:
+                        handle.close()
 
-    def _source(self, copy: Copy, files: dict) -> tuple[BucketLayout, VerifiedFile]:
-        """The saved bucket a copy reads from, and its file (opened once per live bucket)."""
-        s, sb, _ = copy.source
-        layout = self.source_layouts[s][sb]
-        if (s, sb) not in files:
-            peer = self.peers[s]
-            files[(s, sb)] = VerifiedFile(
-                os.path.join(peer.directory, layout.file_name), peer.manifest, layout.file_name
-            )
-        return layout, files[(s, sb)]
+    def _saved_entry(self, copy: Copy, segment: str, files: SavedFiles) -> SavedEntry:
+        """Where the saved entry a copy reads lies in its bucket file."""
+        peer, b, k = copy.source
+        layout = self.source_layouts[peer][b]
+        file = files.open(self.peers[peer].directory, self.peers[peer].manifest, layout.file_name)
+        return SavedEntry(file, layout.segments[segment].entry_offsets[k], layout.numels[k])
 
-    def _copied(self, name: str, size: int, numel: int, copies: Sequence[Copy], files: dict) -> memoryview:
-        """An elementwise segment's stored bytes for one entry: its copies' bytes."""
-        out = memoryview(bytearray(numel * size))
-        for c in copies:
-            layout, file = self._source(c, files)
-            offset = layout.segments[name].entry_offsets[c.source[2]] + c.source_offset * size
-            file.read_into(offset, out[c.target_offset * size : (c.target_offset + c.count) * size])
-        return out
-
-    def _requantized(self, name: str, numel: int, copies: Sequence[Copy], files: dict) -> memoryview:
-        """A blockwise 8-bit segment's stored form for one entry: its copies' values
-        decoded from their saved blocks (or fp32, for saved entries too small to
-        quantize), then quantized in this entry's own blocks. Exact where the
-        blocks are the same; elsewhere one more rounding, as a step's store adds."""
-        signed, sqrt = quant8.MOMENT_FORMATS[name]
-        values = torch.empty(numel, dtype=torch.float32)
-        for c in copies:
-            layout, file = self._source(c, files)
-            sk = c.source[2]
-            offset, saved = layout.segments[name].entry_offsets[sk], layout.numels[sk]
-            target = values[c.target_offset : c.target_offset + c.count]
-            if not quant8.quantizes(saved):
-                file.read_into(offset + c.source_offset * 4, _bytes_of(target))
-                continue
-            first, last = c.source_offset // quant8.BLOCK, (c.source_offset + c.count - 1) // quant8.BLOCK
-            start, end = first * quant8.BLOCK, min((last + 1) * quant8.BLOCK, saved)
-            codes = torch.empty(end - start, dtype=torch.uint8)
-            scales = torch.empty(last - first + 1, dtype=torch.float32)
-            file.read_into(offset + start, _bytes_of(codes))
-            file.read_into(offset + saved + first * 4, _bytes_of(scales))
-            decoded = quant8.dequantize_chunk(codes, scales, signed)
-            if sqrt:
-                decoded.square_()
-            target.copy_(decoded[c.source_offset - start : c.source_offset - start + c.count])
-        quant8.narrow_in_place(values, signed, sqrt)
-        return _bytes_of(values)[: quant8.stored_nbytes(numel)]
-
-    def _write(self, handle, offset: int, data: memoryview) -> None:
-        staging = self.p.buffer()
+    def _write(self, handle: Handle, offset: int, data: memoryview) -> None:
+        """``data`` into the bucket at ``offset``, in chunks of the staging buffer."""
+        staging = self.target.buffer()
         step = len(staging.view)
         view = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         for at in range(0, len(data), step):
@@ -422,44 +265,57 @@ class ReshardedLoad:
         """The live resident moments (exp_avg then exp_avg_sq of each param with
         state, :meth:`resident_state`'s), gathered from the peers' resident files."""
         out = bytearray()
-        files: dict[int, VerifiedFile] = {}
-        try:
-            slots = _param_slots(self.live_resident_groups)
+        with SavedFiles() as files:
+            slots = _optimizer_slots(self.live_resident_groups)
             for (gi, j), entry_copies, piece in zip(slots, self.resident_copies, self.live_resident, strict=True):
                 if state["params"][gi][j] is None:
                     continue
-                for moment in range(2):
-                    part = memoryview(bytearray(piece.numel * 4))
-                    for c in entry_copies:
-                        s, k = c.source
-                        if s not in files:
-                            peer = self.peers[s]
-                            files[s] = VerifiedFile(
-                                os.path.join(peer.directory, RESIDENT_FILE), peer.manifest, RESIDENT_FILE
-                            )
-                        numel = self.peers[s].data["resident_numels"][k]
-                        offset = self.resident_offsets[s][k] + (moment * numel + c.source_offset) * 4
-                        files[s].read_into(offset, part[c.target_offset * 4 : (c.target_offset + c.count) * 4])
-                    out += part
-        finally:
-            for f in files.values():
-                f.close()
+                for moment in range(_RESIDENT_MOMENTS):
+                    ranges = ((self._saved_resident_moment(c, moment, files), c) for c in entry_copies)
+                    out += copied_segment(_RESIDENT_ITEMSIZE, piece.numel, ranges)
         return bytes(out)
 
+    def _saved_resident_moment(self, copy: Copy, moment: int, files: SavedFiles) -> SavedEntry:
+        """Where moment ``moment`` of the saved resident entry a copy reads lies."""
+        peer, k = copy.source
+        saved = self.peers[peer]
+        numel = saved.data["resident_numels"][k]
+        file = files.open(saved.directory, saved.manifest, RESIDENT_FILE)
+        return SavedEntry(file, self.resident_offsets[peer][k] + moment * numel * _RESIDENT_ITEMSIZE, numel)
 
-class _Location(tuple):
+
+def _optimizer_slots(groups: Sequence[int]) -> list[tuple[int, int]]:
+    """Per entry (given its master group index, in bucket order) its (group, position)
+    in the bucket optimizer, whose groups follow the order of first appearance."""
+    order: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    slots = []
+    for g in groups:
+        gi = order.setdefault(g, len(order))
+        slots.append((gi, counts.get(gi, 0)))
+        counts[gi] = counts.get(gi, 0) + 1
+    return slots
+
+
+def _resident_offsets(data: dict, slots: Sequence[tuple[int, int]]) -> tuple[list[int], int]:
+    """Where each saved resident entry's moments start in the resident file (a param
+    without optimizer state has none), and the file's size."""
+    offsets, offset = [], 0
+    for (gi, j), numel in zip(slots, data["resident_numels"], strict=True):
+        offsets.append(offset)
+        if data["resident_state"]["params"][gi][j] is not None:
+            offset += _RESIDENT_MOMENTS * _RESIDENT_ITEMSIZE * numel
+    return offsets, offset
+
+
+class _SavedLocation(tuple):
     """Where a saved piece lives: (peer, bucket, entry) or (peer, resident entry),
     named for messages by its store directory."""
 
-    def __new__(cls, label: str, *index: int) -> _Location:
+    def __new__(cls, label: str, *index: int) -> _SavedLocation:
         location = super().__new__(cls, index)
         location.label = label
         return location
 
     def __str__(self) -> str:
         return self.label
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place."""
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")

@@ -58,11 +58,21 @@ def plan(targets: Sequence[Piece], sources: Sequence[tuple[Hashable, Piece]]) ->
     saved pieces overlap (mixed saves), or when some element a target needs is in
     no saved piece (naming the param and the missing range).
     """
-    by_key: dict[str, list[tuple[int, int, Hashable]]] = {}
+    saved = _saved_ranges_by_param(sources)
+    return [_copies_filling(target, *saved.get(target.key, ([], []))) for target in targets]
+
+
+# One saved piece as [start, end) in its param, and its location.
+_SavedRange = tuple[int, int, Hashable]
+
+
+def _saved_ranges_by_param(sources: Sequence[tuple[Hashable, Piece]]) -> dict[str, tuple[list[int], list[_SavedRange]]]:
+    """Per param, its saved pieces' starts and ranges in element order; raises on an overlap."""
+    by_key: dict[str, list[_SavedRange]] = {}
     for location, piece in sources:
         if piece.numel > 0:
             by_key.setdefault(piece.key, []).append((piece.start, piece.end, location))
-    starts: dict[str, list[int]] = {}
+    saved = {}
     for key, ranges in by_key.items():
         ranges.sort(key=lambda r: (r[0], r[1]))
         for (a_start, a_end, a_loc), (b_start, _, b_loc) in zip(ranges, ranges[1:], strict=False):
@@ -71,27 +81,28 @@ def plan(targets: Sequence[Piece], sources: Sequence[tuple[Hashable, Piece]]) ->
                     f"param {key!r}: saved pieces {a_loc} [{a_start}, {a_end}) and {b_loc} from {b_start} overlap: "
                     "the checkpoint mixes saves"
                 )
-        starts[key] = [r[0] for r in ranges]
+        saved[key] = ([r[0] for r in ranges], ranges)
+    return saved
 
-    copies = []
-    for target in targets:
-        ranges = by_key.get(target.key, [])
-        here, out = target.start, []
-        # The last saved piece starting at or before the target's first element.
-        i = max(bisect.bisect_right(starts.get(target.key, []), here) - 1, 0)
-        while here < target.end:
-            if i < len(ranges) and ranges[i][1] <= here:
-                i += 1  # that piece ends before the target starts; the next one starts after it
-            if i >= len(ranges) or ranges[i][0] > here:
-                gap_end = min(ranges[i][0], target.end) if i < len(ranges) else target.end
-                raise RemapError(
-                    f"param {target.key!r}: elements [{here}, {gap_end}) are in no saved piece "
-                    f"(this rank needs [{target.start}, {target.end}))"
-                )
-            start, end, location = ranges[i]
-            count = min(end, target.end) - here
-            out.append(Copy(location, here - start, here - target.start, count))
-            here += count
-            i += 1
-        copies.append(out)
-    return copies
+
+def _copies_filling(target: Piece, starts: list[int], ranges: list[_SavedRange]) -> list[Copy]:
+    """The copies from one param's saved ``ranges`` (sorted, with their ``starts``)
+    that fill ``target``; raises naming the first element none holds."""
+    here, out = target.start, []
+    # The last saved piece starting at or before the target's first element.
+    i = max(bisect.bisect_right(starts, here) - 1, 0)
+    while here < target.end:
+        if i < len(ranges) and ranges[i][1] <= here:
+            i += 1  # that piece ends before the target starts; the next one starts after it
+        if i >= len(ranges) or ranges[i][0] > here:
+            gap_end = min(ranges[i][0], target.end) if i < len(ranges) else target.end
+            raise RemapError(
+                f"param {target.key!r}: elements [{here}, {gap_end}) are in no saved piece "
+                f"(this rank needs [{target.start}, {target.end}))"
+            )
+        start, end, location = ranges[i]
+        count = min(end, target.end) - here
+        out.append(Copy(location, here - start, here - target.start, count))
+        here += count
+        i += 1
+    return out
