@@ -10,7 +10,7 @@ them (issue 26's measurement).
 The GPT of issue 26: 20 layers, hidden 2048, 16 heads, seq 2048, micro-batch 4, global
 batch 32, untied embeddings, ``--transformer-impl local``, mock data, bf16, the distributed
 optimizer: 1.15B params, 13.7 GB of fp32 optimizer state. Every run goes through the GPU
-tier's harness (``tests.gpu.pretrain_probe``: each iteration's step seconds, the device's
+tier's harness (``bench.pretrain_probe``: each iteration's step seconds, the device's
 peak, where the state lives) and the launcher: ours from ``$MEGATRON_LM_DIR`` with our
 flags, dev's from ``$MEGATRON_DEV_DIR`` with ``--chunked-optimizer-state-offload
 --optimizer-state-offload-fraction F`` (chunks of ``bench.megatron_dev.DEV_CHUNK_MB``; F = 0
@@ -36,7 +36,7 @@ forms, so its step is the codec and Adam), and in how many of those iterations e
 eager one ran so (``eager_slots``: "decode 3", say).
 
 Host memory: the host's ``MemAvailable`` is sampled every half second through each run
-(``tests.gpu.host_sampler``); ``host_taken_gb`` is its fall at the run's worst.
+(``bench.harness``); ``host_taken_gb`` is its fall at the run's worst.
 
 The disk modes' bound: before the runs and after them, the drive of ``--disk-dir`` is
 measured as the disk tier uses it (:func:`drive_seconds_per_gb`: 4 GiB written while
@@ -74,7 +74,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.gpu.host_sampler import HostSampler
+from bench.harness import HostSampler
 
 REPO = Path(__file__).resolve().parents[1]
 GPT = (
@@ -207,7 +207,7 @@ def command(iters: int, flags: list[str]) -> list[str]:
     """One run: torchrun of the probe (then the launcher) on ``pretrain_gpt.py`` of the tree
     it runs in (its cwd)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
-    return [*torchrun, "-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *GPT, "--train-iters", str(iters), *flags]
+    return [*torchrun, "-m", "bench.pretrain_probe", "pretrain_gpt.py", *GPT, "--train-iters", str(iters), *flags]
 
 
 def environment(probe_out: Path) -> dict[str, str]:

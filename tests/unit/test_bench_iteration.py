@@ -28,7 +28,7 @@ def test_every_mode_passes_the_launcher_s_own_checks(mode, tmp_path):
 
 def test_a_run_is_the_probe_on_its_tree_s_script_with_this_repository_alone_on_the_path(tmp_path):
     cmd = iteration.command(6, iteration.dev_flags(0.5))
-    assert cmd[cmd.index("-m", 3) + 1 : cmd.index("-m", 3) + 3] == ["tests.gpu.pretrain_probe", "pretrain_gpt.py"]
+    assert cmd[cmd.index("-m", 3) + 1 : cmd.index("-m", 3) + 3] == ["bench.pretrain_probe", "pretrain_gpt.py"]
     assert cmd[-5:] == [
         "--chunked-optimizer-state-offload",
         "--optimizer-state-offload-fraction",
