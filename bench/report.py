@@ -8,7 +8,7 @@ Each generated block sits between ``<!-- bench.report:NAME -->`` and
 ``<!-- /bench.report:NAME -->``; the text around the blocks is the pages' own. Every file
 in ``bench/results/`` must be one the report reads (the suite's results, the legacy
 files of ``bench.legacy``, the codec and moment-format files named here, and a result's
-plot beside it): ``--check`` names any other.
+plot beside it; never a smoke run's): ``--check`` names any other.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def load() -> tuple[dict[str, dict], dict[str, dict], list[str]]:
         data = json.loads(path.read_text())
         if path.name in legacy.LEGACY:
             suites[path.name] = legacy.read(path.name, data)
-        elif data.get("format") == legacy.FORMAT:
-            suites[path.name] = data
+        elif data.get("format") == legacy.FORMAT and not any(c.get("quick") for c in data["calls"]):
+            suites[path.name] = data  # a smoke run's (--quick) is no result
         elif path.name in CODEC_FILES + MOMENT_FILES:
             others[path.name] = data
         else:

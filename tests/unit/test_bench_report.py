@@ -49,8 +49,11 @@ def test_an_edited_number_fails_the_check_and_the_report_writes_it_back(copies, 
 def test_a_result_file_the_report_does_not_read_fails_the_check(copies, capsys):
     (report.RESULTS / "iteration-h200-2026-12-04-stray.json").write_text("{}")
     (report.RESULTS / "orphan.png").write_bytes(b"")
+    smoke = {"format": legacy.FORMAT, "workload": "dense-1b", "machine": "h200", "calls": [{"quick": True}]}
+    (report.RESULTS / "dense-1b-h200.json").write_text(json.dumps(smoke))
     assert report.main(["--check"]) == 1
     err = capsys.readouterr().err
+    assert "dense-1b-h200.json: a file the report does not read" in err
     assert "iteration-h200-2026-12-04-stray.json: a file the report does not read" in err
     assert "orphan.png: a file the report does not read" in err
 

@@ -7,6 +7,7 @@ calls and the provenance."""
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -238,3 +239,25 @@ def test_bad_requests_are_refused_in_one_line_before_anything_runs(monkeypatch, 
         suite.main(["--workload", "dense-1b", "--modes", "dev@1"])
     assert suite.main(["--workload", "dense-1b", "--plan"]) == 0
     assert capsys.readouterr().out.startswith("call 1 (about ")
+
+
+def test_a_suite_result_in_bench_results_is_tabled_by_the_report(stand_in, monkeypatch):
+    from bench import report
+
+    results = stand_in / "results"
+    shutil.copytree(report.RESULTS, results)
+    docs = stand_in / "performance.md"
+    shutil.copyfile(report.DOCS, docs)
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "DOCS", docs)
+    monkeypatch.setattr(report, "README", shutil.copyfile(report.README, stand_in / "README.md"))
+    monkeypatch.setattr(report, "REPO", stand_in)
+    argv = ["--workload", "dense-1b", "--modes", "host+window-3g", "--out", str(results / "dense-1b-cpu.json")]
+    assert suite.main(argv) == 0
+    assert report.main(["--check"]) == 1  # the new file is not in the docs yet
+    assert report.main([]) == 0 and report.main(["--check"]) == 0
+    block = docs.read_text().split("<!-- bench.report:dense-1b -->")[1].split("<!-- /bench.report:dense-1b -->")[0]
+    (row,) = [line for line in block.splitlines() if line.startswith("| host+window-3g: host home, 3 GiB window | 1 |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "ok" and cells[7] == "10.00"  # saved vs resident, GiB
+    assert cells[-1].endswith("faster than dev at fraction 1")
