@@ -6,6 +6,7 @@ with each mode's baseline and peers."""
 import argparse
 
 import pytest
+import torch
 
 from bench import workloads
 from bench.workloads import DENSE_1B, MOE, SCALE_1GPU, WORKLOADS
@@ -129,3 +130,60 @@ def test_calls_hold_each_mode_with_its_company_within_the_budget():
     assert workloads.plan_calls(DENSE_1B, ["disk"], 100) == [["resident", "disk"]]
     with pytest.raises(KeyError):
         workloads.plan_calls(DENSE_1B, ["nope"], 560)
+
+
+@pytest.fixture
+def one_rank_groups(tmp_path):
+    """megatron-core's model-parallel groups on one gloo rank (MoE layers need them)."""
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def test_megatron_core_builds_the_moe_flags_into_a_gpt_of_the_counted_size(one_rank_groups):
+    """The workload's flags, as megatron-core's GPTModel (local spec, on the meta device:
+    no memory), hold as many params as ``moe_params`` counts, at one and two layers."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    flags = workloads.model_flags(MOE, MOE.mode("resident"), 1)
+
+    def value(flag):
+        return int(flags[flags.index(flag) + 1])
+
+    assert {"--swiglu", "--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights"} <= set(
+        flags
+    )
+    for layers in (1, 2):
+        config = TransformerConfig(
+            num_layers=layers,
+            hidden_size=value("--hidden-size"),
+            num_attention_heads=value("--num-attention-heads"),
+            num_query_groups=value("--num-query-groups"),
+            kv_channels=value("--kv-channels"),
+            ffn_hidden_size=value("--ffn-hidden-size"),
+            num_moe_experts=value("--num-experts"),
+            moe_router_topk=value("--moe-router-topk"),
+            moe_ffn_hidden_size=value("--moe-ffn-hidden-size"),
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            normalization="RMSNorm",
+            qk_layernorm=True,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+        )
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm")
+        with torch.device("meta"):
+            model = GPTModel(
+                config,
+                spec,
+                vocab_size=value("--vocab-size"),
+                max_sequence_length=value("--seq-length"),
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope",
+            )
+        assert sum(p.numel() for p in model.parameters()) == workloads.moe_params(layers)
