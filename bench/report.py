@@ -122,12 +122,15 @@ def span(values: list[float], digits: int) -> str:
 
 
 def _ok_calls(result: dict, name: str) -> list[tuple[dict, dict, dict]]:
-    """(call, run, comparison) for every call where ``name`` ran to its end."""
+    """(call, run, comparison) for every call where ``name`` ran to its end; refuses a
+    mode that never did (the README and the headline name only modes with figures)."""
     found = []
     for call in result["calls"]:
         run = call["runs"].get(name)
         if run and run.get("outcome") == compare.OK:
             found.append((call, run, compare.summarize(call)[name]))
+    if not found:
+        raise SystemExit(f"bench.report: {name} ran to its end in no call of its file: nothing to show")
     return found
 
 
