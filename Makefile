@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench bench-checkpoint bench-moments bench-codec bench-iteration
+.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench-gpu bench-report bench-checkpoint bench-moments bench-codec
 
 venv: $(VENV)/.installed
 
@@ -58,29 +58,29 @@ drift: venv
 matrix: venv
 	$(PY) -m ci.matrix $(foreach r,$(MEGATRON_REPOS),--megatron-repo $(r)) --json matrix-results.json
 
-# Benchmarks write JSON under bench-results/ and print a table. `make bench` times the
-# optimizer step in every mode (bench/optimizer_step.py); on the GPU machine run it with
-# the machine's own python (see docs/performance.md).
-bench: venv
-	$(PY) -m bench.optimizer_step $(BENCH_ARGS)
+# Benchmarks write JSON under bench-results/ and print a table; bench/results/ keeps the
+# committed files that `make bench-report` turns into the README's and docs' tables
+# (docs/performance.md). The suite (bench/suite.py): Megatron-LM's pretrain_gpt.py in every
+# mode of a workload, each beside its resident run and Megatron dev's offload; on the GPU
+# machine, with its own torch (no venv), as test-gpu; MEGATRON_LM_DIR names a patched tree,
+# MEGATRON_DEV_DIR a dev checkout. E.g. BENCH_ARGS="--workload dense-1b --plan".
+bench-gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m bench.suite $(BENCH_ARGS)
+
+bench-report: venv
+	$(PY) -m bench.report $(BENCH_ARGS)
 
 bench-checkpoint: venv
 	$(PY) -m bench.checkpoint_save $(BENCH_ARGS)
 
 # How moment storage formats train (CPU, about a minute): bench/moment_formats.py. The
-# GPU counterpart, a real Megatron GPT for 300 steps, is bench/moment_training.py.
+# GPU counterpart, a real Megatron GPT for 300 steps, is tests/gpu/moment_training.py.
 bench-moments: venv
 	$(PY) -m bench.moment_formats $(BENCH_ARGS)
 
 # The storage codecs, reference and fused, on a whole 7.6B GPT's state (CUDA + Triton).
 bench-codec: venv
 	$(PY) -m bench.codec $(BENCH_ARGS)
-
-# Whole iterations of Megatron-LM's pretrain_gpt.py, every placement and Megatron dev's
-# chunked offload side by side (bench/iteration.py): on the GPU machine, with its own torch
-# (no venv), as test-gpu; each run imports its tree's megatron (MEGATRON_LM_DIR, MEGATRON_DEV_DIR).
-bench-iteration:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m bench.iteration $(BENCH_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -37,13 +37,40 @@ from collections import defaultdict
 import torch
 
 from bench.codec import gpt_entries
-from bench.optimizer_step import streamed_store, sync_device
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
+from miles_plugins.optimizers.step.adam import backend_for
+from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store import StreamingStore
 
 GIB = 1 << 30
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_REPORTED_US = 500  # gaps shorter than this are not listed
+
+
+def streamed_store(params: list[torch.Tensor], grads: list[torch.Tensor], config, **adamw) -> StreamingStore:
+    """A ``StreamingStore`` over bf16 ``params`` with their fixed fp32 ``grads``: one entry
+    each, its main released until the store fills it from the param, stepped by
+    AdamW(``adamw``)."""
+    entries = []
+    for p in params:
+        main = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        main.untyped_storage().resize_(0)
+        entries.append(Entry(param=p, main=main, group_index=0))
+    grad_of = {id(e.main): g for e, g in zip(entries, grads, strict=True)}
+    master = torch.optim.AdamW([e.main for e in entries], **adamw)
+    return StreamingStore(
+        entries,
+        backend_for(master),
+        config,
+        grad_fn=lambda e: grad_of[id(e.main)],
+        copy_to_model=lambda e: e.param.copy_(e.main),
+        init_main=lambda p, m: m.copy_(p),
+    )
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def summarize(events: list[dict], gaps: int = 8) -> list[dict]:

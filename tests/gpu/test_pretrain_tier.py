@@ -1,7 +1,7 @@
 """GPU tier: Megatron-LM's own pretrain_gpt.py,
 resident against streamed through the launcher, on a patched tree named by $MEGATRON_LM_DIR.
 
-Each run goes through ``tests.gpu.pretrain_probe`` (records every iteration's losses and a
+Each run goes through ``bench.pretrain_probe`` (records every iteration's losses and a
 params hash). Cases per data-parallel size (1 and 2 GPUs):
 - resident vs streamed, 12 iterations: every iteration byte-identical;
 - streamed 6 iterations (--exit-interval 6, same schedule), then resumed to 12 from its
@@ -45,7 +45,7 @@ def _run(tmp: Path, name: str, nproc: int, *extra: str, ok: bool = True) -> tupl
         "NCCL_ALGO": "Ring",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-    cmd += ["-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *COMMON, *extra]
+    cmd += ["-m", "bench.pretrain_probe", "pretrain_gpt.py", *COMMON, *extra]
     proc = subprocess.run(cmd, cwd=TREE, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, log[-6000:]

@@ -1,6 +1,6 @@
 """Scale tier: Megatron-LM's own pretrain_gpt.py through the launcher, at sizes whose
 optimizer state does not fit resident on one H200 (139.8 GiB), on a patched tree named by
-$MEGATRON_LM_DIR. Each run goes through ``tests.gpu.pretrain_probe`` (losses, a params hash,
+$MEGATRON_LM_DIR. Each run goes through ``bench.pretrain_probe`` (losses, a params hash,
 iteration and step seconds, the step's own device peak against ``step_device_bytes_bound``,
 where the state lives); this process samples the host's MemAvailable while it runs.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.host_sampler import HostSampler
+from bench.harness import HostSampler
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def _run(tmp: Path, name: str, layers: int, iters: int, *extra: str, hashing: bo
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
-    cmd += ["-m", "tests.gpu.pretrain_probe", "pretrain_gpt.py", *GPT, "--num-layers", str(layers)]
+    cmd += ["-m", "bench.pretrain_probe", "pretrain_gpt.py", *GPT, "--num-layers", str(layers)]
     cmd += ["--train-iters", str(iters), *extra]
     start = time.perf_counter()
     with HostSampler() as host:

@@ -1,7 +1,7 @@
 """Do compact moments train? A real Megatron GPT with fp32, bf16 and 8bit moments, same seed and data.
 
-    torchrun --nproc-per-node=1 -m bench.moment_training [--steps 300] [--out bench-results/moment_training.json]
-    python -m bench.moment_training --plot bench-results/moment_training.json      (needs matplotlib)
+    torchrun --nproc-per-node=1 -m tests.gpu.moment_training [--steps 300] [--out bench-results/moment_training.json]
+    python -m tests.gpu.moment_training --plot bench-results/moment_training.json      (needs matplotlib)
 
 Needs CUDA and megatron-core. The model is the GPU tier's GPT
 (``tests/gpu/megatron_tier.py``: 4 layers, hidden 512, 1024-token vocabulary,
@@ -75,7 +75,7 @@ def run(steps: int, directory: str) -> dict:
 
 def plot(path: str) -> str:
     """Draw the loss curves of ``path`` (this module's JSON) into a PNG beside it."""
-    from bench.plotting import pyplot
+    from bench.harness import pyplot
 
     plt = pyplot()
 

@@ -1,15 +1,19 @@
-"""GPU tier harness: a Megatron-LM script through the launcher, with a record of every iteration.
+"""A Megatron-LM script through the launcher, with a record of every iteration: the probe
+the GPU tier and ``bench.suite`` share.
 
-    torchrun --nproc-per-node=N -m tests.gpu.pretrain_probe pretrain_gpt.py [args]
+    torchrun --nproc-per-node=N -m bench.pretrain_probe pretrain_gpt.py [args]
     (PRETRAIN_PROBE_OUT=file.jsonl)
 
-Wraps ``megatron.training.training.train_step`` (test instrumentation, not part
-of the launcher): after each step, rank 0 appends one JSON line to
-``$PRETRAIN_PROBE_OUT`` with the iteration's reduced losses (``float.hex``,
-exact), a SHA-256 over a digest of every model param's bits taken on the device
-(``_param_digest``; ``PRETRAIN_PROBE_HASH=0`` skips it), the iteration's and the optimizer step's
-seconds, the device memory reserved at the run's peak so far (kept across resets of
-the allocator's statistics, the probe's and an auto budget's), and, where streaming is on, what the step added to the device memory
+Wraps ``megatron.training.training.train_step`` (instrumentation, not part of the
+launcher): after each step, rank 0 appends one JSON line to ``$PRETRAIN_PROBE_OUT``
+with the iteration's reduced losses (``float.hex``, exact), a SHA-256 over a digest
+of every model param's bits taken on the device (``_param_digest``;
+``PRETRAIN_PROBE_HASH=0`` skips it), the train step's seconds (``seconds``), the
+seconds since the probe's previous record (``interval_seconds``: the whole
+iteration, Megatron's logging and checks between two steps included, the probe's
+own hashing not; absent for the first), the optimizer step's seconds, the device memory reserved and allocated
+at the run's peak so far (kept across resets of the allocator's statistics, the
+probe's and an auto budget's), and, where streaming is on, what the step added to the device memory
 allocated before it against the stores' ``step_device_bytes_bound``, and where
 the state lives. Then it runs ``miles_plugins.launch`` on the arguments, so the
 same harness serves the resident run (no streaming flag) and the streamed one.
@@ -73,16 +77,22 @@ class _StepProbe:
         self._before = 0
         self._peak_at_reset = 0
         self.reserved_peak = 0  # the run's, across every reset of the statistics
+        self.allocated_peak = 0
         reset = torch.cuda.reset_peak_memory_stats
 
         def reset_peak_memory_stats(*args, **kwargs):
             # Something resets the statistics inside the step (an auto GPU budget): keep its peak.
             self._peak_at_reset = max(self._peak_at_reset, torch.cuda.max_memory_allocated())
-            self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+            self.keep_run_peaks()
             return reset(*args, **kwargs)
 
         torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
         self._reset = reset
+
+    def keep_run_peaks(self) -> None:
+        """Fold the allocator's peaks into the run's before its statistics are reset."""
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+        self.allocated_peak = max(self.allocated_peak, torch.cuda.max_memory_allocated())
 
     def wrap(self, optimizer) -> None:
         if getattr(optimizer, "_probe_wrapped", False):
@@ -93,7 +103,7 @@ class _StepProbe:
             if self.measure:
                 torch.cuda.synchronize()
                 self._before = torch.cuda.memory_allocated()
-                self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+                self.keep_run_peaks()
                 self._reset()
                 self._peak_at_reset = 0
             start = time.perf_counter()
@@ -119,6 +129,7 @@ def _record_each_step(training, out: str) -> None:
     original = training.train_step
     hashing = os.environ.get("PRETRAIN_PROBE_HASH", "1") != "0"
     probe = _StepProbe()
+    last_end: list[float] = []  # when the previous record was written: the probe's own work is no iteration's
 
     def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
         probe.wrap(optimizer)
@@ -129,7 +140,9 @@ def _record_each_step(training, out: str) -> None:
         start = time.perf_counter()
         result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds = end - start
+        interval = end - last_end[0] if last_end else None
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             stores = _stores(optimizer)
             record = {
@@ -137,8 +150,10 @@ def _record_each_step(training, out: str) -> None:
                 "losses": {k: float(v).hex() for k, v in result[0].items()},
                 "params": _params_hash(model) if hashing else None,
                 "seconds": seconds,
+                "interval_seconds": interval,
                 "step_seconds": probe.seconds,
                 "max_reserved_bytes": max(probe.reserved_peak, torch.cuda.max_memory_reserved()),
+                "max_allocated_bytes": max(probe.allocated_peak, torch.cuda.max_memory_allocated()),
                 "device_total_bytes": torch.cuda.mem_get_info()[1],
             }
             if stores:
@@ -162,6 +177,7 @@ def _record_each_step(training, out: str) -> None:
                 )
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        last_end[:] = [time.perf_counter()]
         return result
 
     training.train_step = train_step
