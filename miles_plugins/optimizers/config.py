@@ -95,7 +95,7 @@ DEFAULT_STAGING_BUDGET_MB = 128
 
 # The request the split aims for: a budget (each directory's share, with several) too
 # small to give every I/O thread chunks this large funds fewer threads, each with larger
-# requests (smaller requests were slower on NVMe: docs/performance.md).
+# requests (fewer, larger requests keep an NVMe drive busier than many small ones).
 STAGING_REQUEST_MB = 8
 
 # The smallest request the split may make (a budget below two of them per directory is refused).
