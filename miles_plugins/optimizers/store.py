@@ -101,6 +101,9 @@ class StreamingStore:
             another data-parallel size may read, ``checkpoint/reshard_load.py``).
         param_layout: where every param sits in its data-parallel buffers
             (``megatron.param_layout``), for offline resharding; or None.
+        param_facts: where every param sits in the global tensors Megatron
+            checkpoints (``megatron.param_facts``), for a load or an offline
+            reshard at another TP, PP or EP size; or None (never resharded so).
         grad_bytes_per_element: device bytes ``grad_fn`` allocates per element
             of the bucket being updated (4 where it widens bf16 grads to fp32;
             0 where the fp32 grads exist already, as Megatron's do): part of
@@ -133,6 +136,7 @@ class StreamingStore:
         init_main: CopyFn | None = None,
         topology: dict[str, int] | None = None,
         param_layout: dict | None = None,
+        param_facts: dict | None = None,
         grad_bytes_per_element: int = 0,
         checkpoint_master_options: bool = False,
         auto_gpu: AutoGpuBudget | None = None,
@@ -190,6 +194,7 @@ class StreamingStore:
             )
             master_options = backend.master.param_groups if checkpoint_master_options else None
             self._persistence = _persistence(self, codec, backend, topology, param_layout, master_options)
+            self._persistence.description["param_facts"] = param_facts
             self._write_mains(init_main)
         except BaseException:
             self._shut_down()

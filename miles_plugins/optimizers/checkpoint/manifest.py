@@ -17,7 +17,10 @@ before anything in it is believed.
 
 Format versions, all read: 1 has one CRC-32 per file; 2 adds the manifest's own
 CRC-32; 3 checksums each file per ``crc_block_bytes`` block, so a read of part
-of a file (a load at another DP size) can verify what it read.
+of a file (a load at another DP size) can verify what it read; 4 records where
+each param sits in the global tensors Megatron checkpoints (``param_facts``: its
+key and global boxes, ``megatron/param_facts.py``; None for a plain-PyTorch save),
+so a load at another TP, PP or EP size finds the saved elements it needs.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "miles.streamed_optimizer_state"
 # The version written, and those read (see the module docstring).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 CHECKSUM_KEY = "manifest_crc32"
 # A multiple of the direct-I/O alignment, so a block-aligned partial read can be direct.
 CRC_BLOCK_BYTES = 4 << 20
@@ -285,10 +288,11 @@ def differences(saved: dict[str, Any], live: dict[str, Any], sharding: bool = Tr
                     "this checkpoint was saved before checkpoints recorded each entry's param range, so it loads "
                     f"only at the parallel sizes it was saved at: resume at those, or {START_FRESH}"
                 )
-            elif s.get("shard_peers") != v.get("shard_peers"):
+            elif s.get("shard_peers") != v.get("shard_peers") and not saved.get("param_facts"):
                 found.append(
-                    "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is not resharded, "
-                    f"only a change of the data-parallel size: resume with the saved TP, PP and EP sizes, or {START_FRESH}"
+                    "a change of TP, PP or EP size (or of this rank's TP, PP or EP coordinates) is resharded only from "
+                    "saves that record each param's key and global boxes (format 4, Megatron's binding): resume with "
+                    f"the saved TP, PP and EP sizes, or {START_FRESH}"
                 )
         else:
             found.append(

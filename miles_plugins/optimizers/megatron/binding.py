@@ -74,7 +74,8 @@ from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.megatron import overrides
 from miles_plugins.optimizers.megatron.chain import chained_distributed_optimizers, check_supported, check_upstream
 from miles_plugins.optimizers.megatron.deferred_mains import main_from_param, mains_deferred
-from miles_plugins.optimizers.megatron.shard_map import MegatronEntry, ShardMap, param_layout
+from miles_plugins.optimizers.megatron.param_facts import param_facts
+from miles_plugins.optimizers.megatron.shard_map import MegatronEntry, ShardMap, buffered_params, param_layout
 from miles_plugins.optimizers.megatron.topology import topology
 from miles_plugins.optimizers.step.adam import backend_for, bind_master
 from miles_plugins.optimizers.step.entries import StepStats
@@ -99,7 +100,8 @@ class MegatronBinding:
     def __init__(self, dist_opt: Any, config: StreamConfig, auto_gpu: AutoGpuBudget | None = None) -> None:
         check_supported(dist_opt)
         self.dist_opt = dist_opt
-        # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP).
+        # A param's identity across DP sizes: its model chunk and name (same TP, PP, EP); across
+        # TP, PP and EP sizes: the key and global coordinates Megatron checkpoints it by (param_facts).
         names = {
             p: f"{i}/{name}" for i, chunk in enumerate(dist_opt.model_chunks) for name, p in chunk.named_parameters()
         }
@@ -113,6 +115,7 @@ class MegatronBinding:
             init_main=main_from_param if mains_deferred(self.entries) else None,
             topology=topology(dist_opt),
             param_layout=param_layout(dist_opt, names),
+            param_facts=param_facts(dist_opt.model_chunks, {p: names[p] for p in buffered_params(dist_opt)}),
             auto_gpu=auto_gpu,
         )
         # The streamed marker of a loaded optimizer state dict, until the load hook

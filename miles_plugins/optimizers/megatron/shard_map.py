@@ -110,6 +110,14 @@ class ShardMap:
             self.param_buffer_shard(entry.model_param, entry.main.numel()).copy_(entry.main)
 
 
+def buffered_params(dist_opt: Any) -> list[torch.nn.Parameter]:
+    """Every param ``dist_opt`` shards: those of its DDP buffers (of every DP rank's
+    shard), or where the buffers do not list them, those it holds a range of."""
+    if all(hasattr(buffer, "param_index_map") for buffer in dist_opt.buffers):
+        return [p for buffer in dist_opt.buffers for p in buffer.param_index_map]
+    return [p for group in dist_opt.model_float16_groups + dist_opt.model_fp32_groups for p in group]
+
+
 def param_layout(dist_opt: Any, names: dict) -> dict | None:
     """Every param of each DDP bucket ``dist_opt`` shards, in the order the range maps
     list them ([name, start in the bucket, numel]), with the bucket's unpadded size
