@@ -2,11 +2,14 @@
 
 Owns the save and the transactional load of a store (``persistence``), the
 manifest each save writes and every load verifies (``manifest``), resharding to
-another data-parallel size, and the operator's ``ckpt`` command (``cli``, run as
-``python -m miles_plugins.optimizers.ckpt``; its checks of a saved state without
-a live store: ``inspection``). Resharding: the plan of which saved
-elements each new rank takes (``reshard_plan``), the saved stores a rank reads
-them from (``reshard_peers``), those ranges read back verified (``saved_ranges``);
+another data-parallel, tensor, pipeline or expert parallel size, and the
+operator's ``ckpt`` command (``cli``, run as ``python -m
+miles_plugins.optimizers.ckpt``; its checks of a saved state without a live
+store: ``inspection``). Resharding: the plan of which saved elements each new
+rank takes (``reshard_plan`` by param name; at other TP, PP or EP sizes
+``reshard_keys`` by key and global box, over the geometry of ``reshard_boxes``),
+the saved stores a rank reads them from (``reshard_peers``), those ranges read
+back verified (``saved_ranges``);
 done at load (``reshard_load``), or offline, file to file (``reshard_offline``:
 the new ranks' stores planned by ``reshard_targets``, written and published by
 ``reshard_output``). May import ``miles_plugins.optimizers.errors``,

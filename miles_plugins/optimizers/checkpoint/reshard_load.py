@@ -1,15 +1,18 @@
-"""A load of a state saved under another data-parallel sharding (``reshard_plan.plan`` applied).
+"""A load of a state saved under another sharding: another DP size, or other TP, PP or EP sizes.
 
 When this rank's store has no save of its own in the checkpoint, or its save
-differs only in the sharding (DP size and rank, so the layout), the state is
-rebuilt from its peers' saves (``reshard_peers``). Each peer's manifest
-(format 3) records which elements of which param each of its entries holds;
-this rank's entries are filled from those ranges, one entry of one segment at a
-time (memory: one entry's stored bytes, never the whole state), every byte read
-verified (``saved_ranges``). The small state follows the elements: per-param
-step counts (equal across the pieces of one param, or refused), group step
-state, remainder exceptions (their indices remapped), the moments of resident
-fp32 params. Storage formats must match the live store's.
+differs in the sharding (DP size and rank, so the layout) or in its TP, PP or
+EP sizes, the state is rebuilt from its peers' saves (``reshard_peers``). Each
+peer's manifest (format 3) records which elements of which param each of its
+entries holds; at the saved TP, PP and EP sizes they are matched by param name
+(``reshard_plan.plan``), at others by the params' keys and global boxes
+(format 4, ``reshard_keys``). This rank's entries are filled from those ranges,
+one entry of one segment at a time (memory: one entry's stored bytes, never the
+whole state), every byte read verified (``saved_ranges``). The small state
+follows the elements: per-param step counts (equal across the pieces of one
+param, or refused), group step state, remainder exceptions (their indices
+remapped), the moments of resident fp32 params. Storage formats must match the
+live store's.
 
 Like the same-sharding load, it is a transaction: everything is read and
 checked before the live state changes (disk tier: into the spare slots; host
@@ -26,7 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from miles_plugins.optimizers.checkpoint.manifest import RESIDENT_FILE
-from miles_plugins.optimizers.checkpoint.reshard_peers import Peer
+from miles_plugins.optimizers.checkpoint.reshard_keys import SavedBoxes
+from miles_plugins.optimizers.checkpoint.reshard_peers import Peer, by_keys
 from miles_plugins.optimizers.checkpoint.reshard_plan import Copy, Piece, RemapError, plan
 from miles_plugins.optimizers.checkpoint.saved_ranges import SavedEntry, SavedFiles, copied_segment, requantized_segment
 from miles_plugins.optimizers.errors import CheckpointMismatchError
@@ -99,16 +103,33 @@ class ReshardedLoad:
         if len(steps) != 1:
             problems.append(f"the saved stores hold the state after different steps: {sorted(steps)}")
         try:
-            self.copies = [plan(pieces, sources) for pieces in self.live_pieces]
-            self.resident_copies = plan(self.live_resident, resident_sources)
+            if by_keys(self.peers, self.target.description):
+                self.copies, self.resident_copies = self._plan_by_keys(sources, resident_sources)
+            else:
+                self.copies = [plan(pieces, sources) for pieces in self.live_pieces]
+                self.resident_copies = plan(self.live_resident, resident_sources)
         except RemapError as exc:
             problems.append(str(exc))
         if problems:
+            listed = problems[0] if len(problems) == 1 else "\n  - " + "\n  - ".join(problems)
             raise CheckpointMismatchError(
-                f"cannot reshard the streamed optimizer state from {len(self.peers)} saved stores "
-                f"({self._names()}):\n  - " + "\n  - ".join(problems)
+                f"cannot reshard the streamed optimizer state from {len(self.peers)} saved stores ({self._names()}): "
+                + listed
             )
         self.steps = steps.pop()
+
+    def _plan_by_keys(self, sources: list, resident_sources: list) -> tuple[list[list[list[Copy]]], list[list[Copy]]]:
+        """The copies of saves at another TP, PP or EP layout, found by each param's key
+        and global boxes (``reshard_keys``)."""
+        facts = self.target.description["param_facts"]["params"]
+
+        def with_facts(located: list) -> list:
+            return [(at, piece, self.peers[at[0]].data["param_facts"]["params"][piece.key]) for at, piece in located]
+
+        saved, saved_resident = SavedBoxes(with_facts(sources)), SavedBoxes(with_facts(resident_sources))
+        return [saved.plan(pieces, facts) for pieces in self.live_pieces], saved_resident.plan(
+            self.live_resident, facts
+        )
 
     def _add_peer(self, index: int, peer: Peer, sources: list, resident_sources: list) -> list[str]:
         """Record peer ``index``'s bucket layouts, optimizer slots and resident offsets,
@@ -214,8 +235,8 @@ class ReshardedLoad:
                     peer, b, k = c.source
                     saved_index, saved_high = self.peers[peer].data["main_exceptions"][b][k]
                     for i, h in zip(saved_index, saved_high, strict=True):
-                        if c.source_offset <= i < c.source_offset + c.count:
-                            index.append(i - c.source_offset + c.target_offset)
+                        if (at := c.target_of(i)) is not None:
+                            index.append(at)
                             high.append(h)
                 order = sorted(range(len(index)), key=index.__getitem__)
                 bucket_out.append([[index[i] for i in order], [high[i] for i in order]])

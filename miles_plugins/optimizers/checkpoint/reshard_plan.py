@@ -42,12 +42,30 @@ class Piece:
 @dataclass(frozen=True)
 class Copy:
     """``count`` elements from ``source`` (a saved piece's location) at element
-    ``source_offset`` within that piece, to ``target_offset`` within the target piece."""
+    ``source_offset`` within that piece, to ``target_offset`` within the target piece;
+    ``rows`` such runs, run ``r`` at ``r * source_stride`` and ``r * target_stride``
+    further (a box cut on another axis than its last, ``reshard_keys``)."""
 
     source: Hashable
     source_offset: int
     target_offset: int
     count: int
+    rows: int = 1
+    source_stride: int = 0
+    target_stride: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.rows
+
+    def target_of(self, source_index: int) -> int | None:
+        """Where element ``source_index`` of the saved piece lands in the target piece;
+        None when this copy does not take it."""
+        at = source_index - self.source_offset
+        row, within = divmod(at, self.source_stride) if self.rows > 1 else (0, at)
+        if at < 0 or row >= self.rows or not 0 <= within < self.count:
+            return None
+        return self.target_offset + row * self.target_stride + within
 
 
 def plan(targets: Sequence[Piece], sources: Sequence[tuple[Hashable, Piece]]) -> list[list[Copy]]:

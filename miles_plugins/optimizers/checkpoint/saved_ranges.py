@@ -103,43 +103,80 @@ class SavedEntry:
 
 def copied_segment(itemsize: int, numel: int, ranges: Iterable[tuple[SavedEntry, Copy]]) -> memoryview:
     """An elementwise segment of ``numel`` elements of ``itemsize`` bytes: each
-    copy's elements read from its saved entry, in turn."""
+    copy's elements read from its saved entry, in turn; elements no copy names
+    stay zero."""
     out = memoryview(bytearray(numel * itemsize))
     for saved, c in ranges:
-        target = out[c.target_offset * itemsize : (c.target_offset + c.count) * itemsize]
-        saved.file.read_into(saved.offset + c.source_offset * itemsize, target)
+        if c.rows == 1:
+            target = out[c.target_offset * itemsize : (c.target_offset + c.count) * itemsize]
+            saved.file.read_into(saved.offset + c.source_offset * itemsize, target)
+            continue
+        rows = torch.frombuffer(out, dtype=torch.uint8) if len(out) else None
+        for first, count in _row_chunks(c, itemsize):
+            span = bytearray(((count - 1) * c.source_stride + c.count) * itemsize)
+            saved.file.read_into(
+                saved.offset + (c.source_offset + first * c.source_stride) * itemsize, memoryview(span)
+            )
+            _place_rows(rows, torch.frombuffer(span, dtype=torch.uint8), c, first, count, itemsize)
     return out
 
 
 def requantized_segment(name: str, numel: int, ranges: Iterable[tuple[SavedEntry, Copy]]) -> memoryview:
     """A blockwise 8-bit segment (moment ``name``) of ``numel`` elements in its
     stored form: each copy's values decoded from its saved entry, then quantized
-    in this entry's own blocks. Exact where the blocks are the same; elsewhere one
-    more rounding, as a step's store adds."""
+    in this entry's own blocks (elements no copy names are zero). Exact where the
+    blocks are the same; elsewhere one more rounding, as a step's store adds."""
     signed, sqrt = quant8.MOMENT_FORMATS[name]
-    values = torch.empty(numel, dtype=torch.float32)
+    values = torch.zeros(numel, dtype=torch.float32)
     for saved, c in ranges:
-        target = values[c.target_offset : c.target_offset + c.count]
-        if not quant8.quantizes(saved.numel):  # a saved entry too small to quantize is stored as fp32
-            saved.file.read_into(saved.offset + c.source_offset * 4, bytes_of(target))
-        else:
-            target.copy_(_decoded(saved, c, signed, sqrt))
+        if c.count == 0:
+            continue
+        for first, count in _row_chunks(c, 4):
+            span = _saved_values(
+                saved, c.source_offset + first * c.source_stride, (count - 1) * c.source_stride + c.count, signed, sqrt
+            )
+            _place_rows(values, span, c, first, count, 1)
     quant8.narrow_in_place(values, signed, sqrt)
     return bytes_of(values)[: quant8.stored_nbytes(numel)]
 
 
-def _decoded(saved: SavedEntry, c: Copy, signed: bool, sqrt: bool) -> torch.Tensor:
-    """A copy's fp32 values, decoded from the saved 8-bit blocks its range touches."""
-    first, last = c.source_offset // quant8.BLOCK, (c.source_offset + c.count - 1) // quant8.BLOCK
-    start, end = first * quant8.BLOCK, min((last + 1) * quant8.BLOCK, saved.numel)
+# Saved bytes read at once for the rows of one strided copy.
+_SPAN_BYTES = 16 << 20
+
+
+def _row_chunks(c: Copy, itemsize: int) -> Iterable[tuple[int, int]]:
+    """(first row, row count) of ``c``'s rows in groups whose saved span stays near ``_SPAN_BYTES``."""
+    per = max(1, _SPAN_BYTES // max(1, c.source_stride * itemsize)) if c.rows > 1 else 1
+    for first in range(0, c.rows, per):
+        yield first, min(per, c.rows - first)
+
+
+def _place_rows(out: torch.Tensor, span: torch.Tensor, c: Copy, first: int, count: int, itemsize: int) -> None:
+    """Rows ``first`` to ``first + count`` of ``c`` from ``span`` (the saved elements from
+    the first of them on) into ``out``, in units of ``itemsize`` (bytes or values)."""
+    width = c.count * itemsize
+    source = span.as_strided((count, width), (c.source_stride * itemsize, 1))
+    at = (c.target_offset + first * c.target_stride) * itemsize
+    out.as_strided((count, width), (c.target_stride * itemsize, 1), at).copy_(source)
+
+
+def _saved_values(saved: SavedEntry, first: int, count: int, signed: bool, sqrt: bool) -> torch.Tensor:
+    """Elements ``[first, first + count)`` of a saved 8-bit entry, as fp32 values (an entry
+    too small to quantize is stored as fp32)."""
+    if not quant8.quantizes(saved.numel):
+        values = torch.empty(count, dtype=torch.float32)
+        saved.file.read_into(saved.offset + first * 4, bytes_of(values))
+        return values
+    low, high = first // quant8.BLOCK, (first + count - 1) // quant8.BLOCK
+    start, end = low * quant8.BLOCK, min((high + 1) * quant8.BLOCK, saved.numel)
     codes = torch.empty(end - start, dtype=torch.uint8)
-    scales = torch.empty(last - first + 1, dtype=torch.float32)
+    scales = torch.empty(high - low + 1, dtype=torch.float32)
     saved.file.read_into(saved.offset + start, bytes_of(codes))
-    saved.file.read_into(saved.offset + saved.numel + first * 4, bytes_of(scales))  # the scales follow the codes
+    saved.file.read_into(saved.offset + saved.numel + low * 4, bytes_of(scales))  # the scales follow the codes
     decoded = quant8.dequantize_chunk(codes, scales, signed)
     if sqrt:
         decoded.square_()
-    return decoded[c.source_offset - start : c.source_offset - start + c.count]
+    return decoded[first - start : first - start + count]
 
 
 def bytes_of(tensor: torch.Tensor) -> memoryview:
