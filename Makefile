@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench-gpu bench-report bench-checkpoint bench-moments bench-codec
+.PHONY: demo test test-topology faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench-gpu bench-report bench-checkpoint bench-moments bench-codec
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,12 @@ demo: venv
 	$(PY) -m miles_plugins.demo $(DEMO_ARGS)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not topology" tests
+
+# Resume at other TP, PP and EP sizes with real megatron-core on spawned CPU ranks (slow: each
+# world imports megatron-core once per rank), online and through `ckpt reshard`.
+test-topology: venv
+	$(PY) -m pytest -q -m topology tests/unit
 
 # The failure scenarios (also part of `make test`), with their report table.
 faults: venv
