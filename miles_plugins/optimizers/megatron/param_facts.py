@@ -37,15 +37,19 @@ def param_facts(model_chunks: list, names: dict[torch.nn.Parameter, str]) -> dic
     ``names``; None, with a warning, where Megatron's sharded state dict does not
     place every one of them (such a save still loads at its own TP, PP and EP sizes).
     ``facts``: ``{"parts": [part], "tp_axis": axis of the global shape or None,
-    "position": index in its chunk's named_parameters()}``, a part holding key,
+    "position": index in its chunk's named_parameters(), "expert": bool,
+    "shared_embedding": bool}`` (:func:`_roles`), a part holding key,
     start (element offset in the local param), local_shape, global_shape,
     global_offset, prepend_axis_num, replica_id and allow_shape_mismatch."""
     try:
         by_param = _sharded_tensors(model_chunks)
         positions = {p: k for chunk in model_chunks for k, (_, p) in enumerate(chunk.named_parameters())}
+        experts = _expert_params(model_chunks)
         return {
             "metadata": dict(METADATA_FLAGS),
-            "params": {name: _facts(p, name, by_param, positions[p]) for p, name in names.items()},
+            "params": {
+                name: {**_facts(p, name, by_param, positions[p]), **_roles(p, experts)} for p, name in names.items()
+            },
         }
     except Exception as exc:  # the facts are for resharding only: streaming goes on without them
         why = (
@@ -58,6 +62,26 @@ def param_facts(model_chunks: list, names: dict[torch.nn.Parameter, str]) -> dic
             why.splitlines()[0] if why else type(exc).__name__,
         )
         return None
+
+
+def _expert_params(model_chunks: list) -> set[int]:
+    """``id`` of every param of a MoE layer's experts (expert parallel at EP > 1)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return {
+        id(p)
+        for chunk in model_chunks
+        for module in chunk.modules()
+        if isinstance(module, MoELayer) and module.experts is not None
+        for p in module.experts.parameters()
+    }
+
+
+def _roles(param: torch.nn.Parameter, experts: set[int]) -> dict:
+    """What an offline reshard needs to place ``param`` at another layout: whether it
+    is an expert's (its optimizer at EP > 1 is the expert one), and whether Megatron
+    shares it between the first and last pipeline stage (its DDP bucket is its own)."""
+    return {"expert": id(param) in experts, "shared_embedding": bool(getattr(param, "shared_embedding", False))}
 
 
 def _sharded_tensors(model_chunks: list) -> dict[int, Any]:
