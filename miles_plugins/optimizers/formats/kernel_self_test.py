@@ -126,7 +126,7 @@ def check_remainder(module: ModuleType, device: torch.device) -> None:
     """The long main across every kind of chunk, then a packed group of two small ones."""
     s, span = fused.SCRATCH_ELEMENTS, fused._SPAN
     n = 4 * s + 2 * span + 5
-    overflow = torch.linspace(0, 2 * s - 1, fused.exception_capacity(n) + 1).round().long()
+    overflow = torch.linspace(0, 2 * s - 1, fused.exception_capacity(n) + 1, dtype=torch.float64).round().long()
     edges = torch.tensor([2 * s, 2 * s + 1, 4 * s - 1, 4 * s, 4 * s + span - 1, 4 * s + span, n - 1])
     mains = [
         _main(n, torch.cat([overflow, edges]), seed=0),
@@ -181,17 +181,22 @@ def compare_remainder(
         _same(whats[k] + ": exceptions' high halves", exceptions[k].high, high)
         _untouched(whats[k] + ": past the main", buffers[k], mains[k].numel())
         _untouched(whats[k] + ": past the param", param_buffers[k], params[k].numel())
+
+    def decoded(k: int) -> None:
+        fused.put_exceptions(flats[k], *found[k])
+        _same(whats[k] + ": decoded", mains[k].view(torch.int32), flats[k].view(torch.int32))
+        _untouched(whats[k] + ": past the decoded main", buffers[k], mains[k].numel())
+
     # Singles first: a decoder that writes past its end shows in their tails before a
     # packed group's decode writes past the end of its own temporary.
     for k in singles:
         fused.remainder_widen(flats[k], on_device[k], lows[k], module)
+        decoded(k)
     for group in groups:
         members = [flats[k] for k in group], [on_device[k] for k in group], [lows[k] for k in group]
         fused.remainder_widen_packed(*members, module)
-    for k in singles + grouped:
-        fused.put_exceptions(flats[k], *found[k])
-        _same(whats[k] + ": decoded", mains[k].view(torch.int32), flats[k].view(torch.int32))
-        _untouched(whats[k] + ": past the decoded main", buffers[k], mains[k].numel())
+        for k in group:
+            decoded(k)
 
 
 def _in_buffer(t: torch.Tensor, device: torch.device, size: int | None = None) -> torch.Tensor:
