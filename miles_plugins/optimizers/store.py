@@ -828,11 +828,11 @@ def _open_backing_and_engine(config: StreamConfig, buckets, placed: Placement, d
     try:
         if config.pipelined:
             engine = PipelinedEngine(
-                config.transfer_threads,
-                config.staging_bytes,
-                pin,
-                device,
-                config.io_timeout_s,
+                threads=config.transfer_threads,
+                chunk_bytes=config.staging_bytes,
+                pin=pin,
+                device=device,
+                timeout_s=config.io_timeout_s,
                 queues=config.io_queues,  # one per directory, as the staging budget is split
             )
         else:
