@@ -46,7 +46,8 @@ from miles_plugins.optimizers.formats.layout import (
 )
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking
+from miles_plugins.optimizers.homes.backings import FileBacking, HostBacking
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.engines import PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.homes.placement import PlacedBacking, Placement
 from miles_plugins.optimizers.step.adam import AdamBackend

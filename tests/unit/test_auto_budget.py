@@ -21,7 +21,7 @@ from miles_plugins.optimizers.config import AUTO
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import cgroup_room, host_budget
-from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from tests.unit.reference import assert_same_training, reference_run
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, state_of, train
 

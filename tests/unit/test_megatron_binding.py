@@ -39,7 +39,7 @@ from miles_plugins.optimizers import (  # noqa: E402
 )
 from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
-from miles_plugins.optimizers.homes.backings import DeviceBacking  # noqa: E402
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron.binding import (  # noqa: E402
     STREAMED_STATE_KEY,
     MegatronBinding,

@@ -16,7 +16,7 @@ from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes import auto_budget, backings
-from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.file_io import BlockCrc
 from miles_plugins.optimizers.homes.fs import parse_size
 from miles_plugins.optimizers.homes.host_memory import HostMemory

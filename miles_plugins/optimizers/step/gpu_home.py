@@ -18,7 +18,7 @@ import torch
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.auto_budget import check_host_room
-from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
     PlacedBacking,
