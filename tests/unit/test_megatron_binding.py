@@ -446,7 +446,7 @@ def test_ranks_of_a_node_plan_their_disk_buckets_with_their_share_of_the_drive(
     """Every rank of a node measures the same free space at once: planned on all of it, each
     took two slots and the ranks' reservations then failed together (seen with two stores on a
     small tmpfs). Here the drive holds this rank's two slots, but not two ranks' worth."""
-    from miles_plugins.optimizers.homes import auto_budget as budgets
+    from miles_plugins.optimizers.homes import memory_probes as budgets
     from miles_plugins.optimizers.megatron import binding as megatron
 
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)
