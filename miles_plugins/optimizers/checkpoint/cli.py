@@ -43,8 +43,8 @@ from miles_plugins.optimizers.checkpoint.manifest import (
     removed_moment_dtype,
 )
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamIOError
+from miles_plugins.optimizers.homes.dir_replace import saved_dirs
 from miles_plugins.optimizers.homes.file_io import file_crcs
-from miles_plugins.optimizers.homes.fs import saved_dirs
 
 _STORE_NAME = re.compile(r"rank(\d+)\.(opt\d+)")
 # The names a load reads in a state directory: its own store's, and for a resharded

@@ -43,8 +43,9 @@ from miles_plugins.optimizers.checkpoint.reshard_plan import Copy, Piece, RemapE
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 from miles_plugins.optimizers.formats import quant8, remainder
 from miles_plugins.optimizers.formats.layout import MAIN_DTYPE, BucketLayout, layout_bucket
+from miles_plugins.optimizers.homes.dir_replace import saved_dirs
 from miles_plugins.optimizers.homes.file_io import BlockCrc, pread_full
-from miles_plugins.optimizers.homes.fs import check_plain_dir, open_file, saved_dirs
+from miles_plugins.optimizers.homes.fs import check_plain_dir, open_file
 
 
 def chain_position(name: str) -> str:

@@ -44,16 +44,14 @@ from miles_plugins.optimizers.homes.fs import (
     check_plain_dir,
     filesystem_type,
     format_bytes,
-    is_current_file,
-    lock_file,
     make_dirs,
     make_private_dir,
     nearest_existing,
     open_file,
     remove_private_dir,
     require_free_space,
-    unlock_file,
 )
+from miles_plugins.optimizers.homes.locks import is_current_file, lock_file, unlock_file
 
 logger = logging.getLogger(__name__)
 
