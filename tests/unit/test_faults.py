@@ -25,7 +25,8 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
-from miles_plugins.optimizers.homes.scratch import LOCK_MARKER, purge
+from miles_plugins.optimizers.homes.scratch import LOCK_MARKER
+from miles_plugins.optimizers.homes.scratch_purge import purge
 from miles_plugins.optimizers.step.rollback import StepRollback
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run

@@ -35,7 +35,7 @@ import errno
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -109,6 +109,7 @@ def setup_gpu_room(device: torch.device, margin_bytes: int, releasable_bytes: in
     return max(0, free + releasable_bytes - margin_bytes)
 
 
+@runtime_checkable
 class DeviceMemory(Protocol):
     """What :class:`AutoGpuBudget` reads of the device (``memory_probes.CudaMemory`` on CUDA)."""
 
@@ -128,8 +129,11 @@ class DeviceMemory(Protocol):
         activations' cached ones."""
 
 
+@runtime_checkable
 class BudgetedStore(Protocol):
     """What :class:`AutoGpuBudget` reads and calls of each store it serves (a ``StreamingStore``)."""
+
+    placed: Placement  # where its buckets live; ``setup_gpu_bytes``: the gpu home's part with no place below
 
     @property
     def home_bytes(self) -> dict[str, int]:
@@ -138,10 +142,6 @@ class BudgetedStore(Protocol):
     @property
     def placement(self) -> dict[str, int]:
         """Buckets per home."""
-
-    @property
-    def placed(self) -> Placement:
-        """Where its buckets live (``setup_gpu_bytes``: the gpu home's share that has no place below)."""
 
     def move_to_gpu_home(self, budget: int, home: str) -> tuple[int, bool]:
         """Move buckets of ``home`` into the gpu home within ``budget`` bytes; the bytes
