@@ -46,9 +46,11 @@ from miles_plugins.optimizers.formats.layout import (
 )
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.homes.backings import DeviceBacking, FileBacking, HostBacking
+from miles_plugins.optimizers.homes.backings import FileBacking, HostBacking
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.engines import PipelinedEngine, SyncEngine
-from miles_plugins.optimizers.homes.placement import PlacedBacking, Placement
+from miles_plugins.optimizers.homes.placed_backing import PlacedBacking
+from miles_plugins.optimizers.homes.placement import Placement
 from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
@@ -364,13 +366,13 @@ class StreamingStore:
 
     def move_to_gpu_home(self, budget: int, home: str) -> tuple[int, bool]:
         """Move buckets of ``home`` (``"disk"`` or ``"host"``) into the ``gpu`` home while
-        their stored sizes fit ``budget`` (``placement.move_to_device_home``); returns the
+        their stored sizes fit ``budget`` (``device_home_moves.move_to_device_home``); returns the
         bytes moved and whether device memory ran out. Call between steps."""
         return self._gpu_home.move_in(budget, home)
 
     def move_from_gpu_home(self, nbytes: int, home: str) -> int:
         """Give buckets of the ``gpu`` home whose place below is ``home`` back to it until
-        ``nbytes`` are freed (``placement.move_from_device_home``); returns the bytes freed."""
+        ``nbytes`` are freed (``device_home_moves.move_from_device_home``); returns the bytes freed."""
         return self._gpu_home.move_out(nbytes, home)
 
     def _update(self, flight: Flight) -> None:
@@ -828,11 +830,11 @@ def _open_backing_and_engine(config: StreamConfig, buckets, placed: Placement, d
     try:
         if config.pipelined:
             engine = PipelinedEngine(
-                config.transfer_threads,
-                config.staging_bytes,
-                pin,
-                device,
-                config.io_timeout_s,
+                threads=config.transfer_threads,
+                chunk_bytes=config.staging_bytes,
+                pin=pin,
+                device=device,
+                timeout_s=config.io_timeout_s,
                 queues=config.io_queues,  # one per directory, as the staging budget is split
             )
         else:

@@ -29,7 +29,7 @@ from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, fresh, re
 # A second process holding a save's lock, as a running save does, until its stdin closes.
 _HOLDER = """
 import sys
-from miles_plugins.optimizers.homes.fs import lock_writer
+from miles_plugins.optimizers.homes.locks import lock_writer
 fd = lock_writer(sys.argv[1], "a save", "", print)
 print("held", flush=True)
 sys.stdin.read()

@@ -25,7 +25,8 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
-from miles_plugins.optimizers.homes.scratch import LOCK_MARKER, purge
+from miles_plugins.optimizers.homes.scratch import LOCK_MARKER
+from miles_plugins.optimizers.homes.scratch_purge import purge
 from miles_plugins.optimizers.step.rollback import StepRollback
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
@@ -140,10 +141,10 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
     the store refuses; the last checkpoint still resumes. (The interrupt is raised in
     the first of those waits, standing in for a signal's arrival there; the abort once
     swallowed it and released the memory.)"""
-    from miles_plugins.optimizers.homes.engines import Ticket
+    from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
-    wait = Ticket.wait
+    wait = TransferTicket.wait
     interrupts = []
 
     def interrupted_abort_wait(self, timeout_s=None):
@@ -152,7 +153,7 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
             raise KeyboardInterrupt
         return wait(self, timeout_s)
 
-    monkeypatch.setattr(Ticket, "wait", interrupted_abort_wait)
+    monkeypatch.setattr(TransferTicket, "wait", interrupted_abort_wait)
     with FaultPlan(tmp_path / "scratch", "write", nth=12, fault="eio"), pytest.raises(KeyboardInterrupt):
         optimizer.step()
     assert len(interrupts) == 1

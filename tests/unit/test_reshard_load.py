@@ -451,7 +451,7 @@ def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, cap
     output's lock (it used to remove the first's partial output, which then
     renamed what was left into place and reported success)."""
     from miles_plugins.optimizers.checkpoint import cli as ckpt
-    from miles_plugins.optimizers.homes.fs import lock_file, unlock_file
+    from miles_plugins.optimizers.homes.locks import lock_file, unlock_file
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     out = tmp_path / "new" / "iter_0000002"

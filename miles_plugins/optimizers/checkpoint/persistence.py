@@ -6,10 +6,10 @@ A saved store is one directory (see ``manifest.py`` for its files)::
     <base_dir>/.<name>.partial/    a save being written (never read)
     <base_dir>/.<name>.partial.lock held (flock) by the process writing it
     <base_dir>/.<name>.previous/   the previous save, while a replace without
-                                   RENAME_EXCHANGE is under way (fs.replace_dir)
+                                   RENAME_EXCHANGE is under way (dir_replace.replace_dir)
 
 ``save`` writes everything into the partial directory, fsynced, manifest last,
-and then replaces the previous save in one step (``fs.replace_dir``).
+and then replaces the previous save in one step (``dir_replace.replace_dir``).
 
 ``load`` is a transaction. Before the live state changes it verifies
 everything: the manifest (its own checksum, format, every field compared with
@@ -49,6 +49,7 @@ from miles_plugins.optimizers.checkpoint.reshard_load import ReshardedLoad
 from miles_plugins.optimizers.checkpoint.reshard_peers import can_reshard_from, find_peers
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.dir_replace import previous_path, replace_dir
 from miles_plugins.optimizers.homes.file_io import BlockCrc, copy_file_crc32, pwrite_full
 from miles_plugins.optimizers.homes.fs import (
     check_plain_dir,
@@ -56,17 +57,14 @@ from miles_plugins.optimizers.homes.fs import (
     dir_identity,
     fsync,
     fsync_dir,
-    lock_writer,
     make_dirs,
     make_private_dir,
     open_file,
-    previous_path,
     remove_private_dir,
-    replace_dir,
     require_free_space,
-    unlock_file,
 )
 from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.locks import lock_writer, unlock_file
 from miles_plugins.optimizers.homes.scratch import live_scratch_overlap
 from miles_plugins.optimizers.step.adam import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec

@@ -18,14 +18,10 @@ import torch
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.auto_budget import check_host_room
-from miles_plugins.optimizers.homes.backings import DeviceBacking
-from miles_plugins.optimizers.homes.placement import (
-    DEVICE_FILL_ORDER,
-    PlacedBacking,
-    Placement,
-    move_from_device_home,
-    move_to_device_home,
-)
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
+from miles_plugins.optimizers.homes.device_home_moves import move_from_device_home, move_to_device_home
+from miles_plugins.optimizers.homes.placed_backing import PlacedBacking
+from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER, Placement
 from miles_plugins.optimizers.step.pipeline import Pipeline
 from miles_plugins.optimizers.step.rollback import first_written_in_place
 
