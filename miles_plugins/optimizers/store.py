@@ -63,16 +63,16 @@ logger = logging.getLogger(__name__)
 _ABANDONED: list = []
 
 # What a step may allocate on the device beyond the buckets in flight, stated so
-# the GPU tier can assert it (measured on an H200, megatron-core 0.19.2):
+# the GPU tier can assert it (docs/performance.md, "GPU memory during a step"):
 # - torch's Adam keeps one fp32 temporary per element of the bucket it updates
 #   (the denominator sqrt(exp_avg_sq) + eps): 4 bytes per element;
 ADAM_TEMPORARY_BYTES_PER_ELEMENT = 4
 # - storage-format conversions work in chunks of CHUNK_ELEMENTS; the remainder
-#   codec's chunk temporaries are the largest, about 12 bytes per element (the
-#   8-bit codec's at most 9, plus 1/64 byte per element of the entry for its scales;
+#   codec's chunk temporaries are the largest, 12 bytes per element (the 8-bit
+#   codec's at most 9, plus 1/64 byte per element of the entry for its scales;
 #   the fused kernels' packed groups of small entries 8). Not counted: a chunk or
 #   packed group whose remainder exceptions overflow the device's slots (NaN mains)
-#   keeps its fp32 values while the reference path finds them, up to about twice this.
+#   keeps its fp32 values while the reference path finds them, up to twice this.
 CONVERSION_SCRATCH_BYTES = 12 * CHUNK_ELEMENTS
 
 
@@ -249,7 +249,7 @@ class StreamingStore:
         pool of their own (``step/graphs.py``), which this does not count again, and
         the remainder encoder's exception slots stay allocated (``fused.ExceptionSlots``:
         8 KiB per encoder run of the largest bucket, 2 bytes per 1024 elements of a run
-        beyond 4M), not counted either: about 200 KiB at 7.6B (and as much pinned host memory)."""
+        beyond 4M, and as much pinned host memory), not counted either."""
         largest = max((b.numel for b in self.buckets), default=0)
         per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + self._grad_bytes_per_element
         scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if self.config.blockwise_moments else 0
