@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.description import describe_store
 from miles_plugins.optimizers.checkpoint.persistence import Persistence
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
@@ -611,7 +612,7 @@ def _persistence(store: StreamingStore, codec: Codec, backend: AdamBackend, topo
     config, entries, resident = store.config, store.entries, store._resident_entries
     return Persistence(
         config.name,
-        _description(config, entries, store.buckets, resident, backend.master, topology, param_layout),
+        describe_store(config, entries, store.buckets, resident, backend.master, topology, param_layout),
         store.buckets,
         store._backing,
         store._bucket_optimizers,
@@ -708,34 +709,6 @@ def _log_setup(store: StreamingStore) -> None:
             config.staging_bytes / 2**20,
             STAGING_REQUEST_MB,
         )
-
-
-def _description(
-    config: StreamConfig, entries, buckets, resident_entries, master, topology: dict | None, param_layout: dict | None
-) -> dict:
-    """What a checkpoint of this store records and a load must match (``manifest.COMPARED_FIELDS``);
-    beside it, not compared: which elements of which param each entry holds (``pieces``) and
-    what an offline reshard needs (the bucket cap, ``param_layout``)."""
-
-    def pieces(indices: Sequence[int]) -> list:
-        return [[entries[i].name, entries[i].start, entries[i].group_index] for i in indices]
-
-    return {
-        "store": config.name,
-        "main_dtype": "fp32" if config.main_storage == "fp32" else "fp32 as bf16 param + int16 remainder",
-        "moment_dtype": config.moment_dtype,
-        "moment_format": quant8.FORMAT_ID if config.blockwise_moments else None,
-        "fp32_param_moments": config.fp32_param_moments,
-        "topology": dict(topology or {}),
-        # "main": false marks a bucket of fp32 params' moments (their mains are the params).
-        "layout": [b.description() for b in buckets],
-        "resident_numels": [entries[i].main.numel() for i in resident_entries],
-        "pieces": [pieces(b.entry_indices) for b in buckets],
-        "resident_pieces": pieces(resident_entries),
-        "optimizer_class": f"{type(master).__module__}.{type(master).__qualname__}",
-        "bucket_cap_elements": config.bucket_cap_elements,
-        "param_layout": param_layout,
-    }
 
 
 def _warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout], resident_numel: int) -> None:

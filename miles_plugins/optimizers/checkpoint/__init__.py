@@ -1,7 +1,8 @@
 """Saved optimizer state: writing it, reading it back, and changing its shape.
 
 Owns the save and the transactional load of a store (``persistence``), the
-manifest each save writes and every load verifies (``manifest``), resharding to
+manifest each save writes and every load verifies (``manifest``), the store's
+description the manifest records and a load compares (``description``), resharding to
 another data-parallel size (the plan of which saved elements each new rank
 takes: ``reshard_plan``; done at load: ``reshard_load``; done offline, file to
 file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``, run as
