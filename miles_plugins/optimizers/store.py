@@ -17,7 +17,7 @@ buckets into the room they leave.
 
 The parts, each in its own module: where bytes live and how they move
 (``homes/``), the walk (``step/pipeline.py``), the storage formats
-(``step/codec.py``, ``formats/``), checkpoints (``checkpoint/persistence.py``),
+(``step/codec.py``, ``formats/``), checkpoints (``checkpoint/``),
 what a failed step can undo (``step/rollback.py``), the gpu home's moves and
 offload (``step/gpu_home.py``), the overlap window (``step/overlap.py``), files
 and directories (``homes/fs.py``, ``homes/scratch.py``). This module builds them
@@ -35,6 +35,8 @@ import torch
 
 from miles_plugins.optimizers.checkpoint.description import describe_store
 from miles_plugins.optimizers.checkpoint.persistence import Persistence
+from miles_plugins.optimizers.checkpoint.reader import CheckpointReader
+from miles_plugins.optimizers.checkpoint.writer import CheckpointWriter
 from miles_plugins.optimizers.config import AUTO, DEFAULT_BUCKET_CAP_ELEMENTS, STAGING_REQUEST_MB, StreamConfig
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError
 from miles_plugins.optimizers.formats import quant8, remainder
@@ -481,9 +483,9 @@ class StreamingStore:
 
     def save_to(self, base_dir: str) -> None:
         """Save the full state under ``base_dir/<name>``; a previous save there is
-        replaced in one step (see ``persistence.py``). Call between steps."""
+        replaced in one step (see ``checkpoint/writer.py``). Call between steps."""
         self._settle()
-        self._persistence.save(base_dir, self.steps_taken)
+        CheckpointWriter(self._persistence).save(base_dir, self.steps_taken)
 
     def load_from(self, base_dir: str, *, expected_steps: int | None = None) -> bool:
         """Restore the state ``save_to`` left under ``base_dir/<name>``; False when
@@ -493,7 +495,7 @@ class StreamingStore:
         before anything live changes, leaving the store as it was; a failure
         after that leaves it refusing to step."""
         self._settle()
-        steps = self._persistence.load(base_dir, self._mark_damaged, expected_steps)
+        steps = CheckpointReader(self._persistence).load(base_dir, self._mark_damaged, expected_steps)
         if steps is None:
             return False
         self.steps_taken = steps
@@ -608,20 +610,20 @@ def _setup_gpu_room(entries: Sequence[Entry], buckets: Sequence[BucketLayout], d
 
 
 def _persistence(store: StreamingStore, codec: Codec, backend: AdamBackend, topology, param_layout, master_options):
-    """The store's save and load (``checkpoint/persistence.py``), over its parts."""
+    """The store's parts its checkpoints hold (``checkpoint/persistence.py``)."""
     config, entries, resident = store.config, store.entries, store._resident_entries
     return Persistence(
-        config.name,
-        describe_store(config, entries, store.buckets, resident, backend.master, topology, param_layout),
-        store.buckets,
-        store._backing,
-        store._bucket_optimizers,
-        store._engine.idle_buffer,
-        codec,
-        config.main_storage == "remainder",
-        store._resident_optimizer,
-        [entries[i].main for i in resident],
-        master_options,
+        name=config.name,
+        description=describe_store(config, entries, store.buckets, resident, backend.master, topology, param_layout),
+        buckets=store.buckets,
+        backing=store._backing,
+        bucket_optimizers=store._bucket_optimizers,
+        buffer=store._engine.idle_buffer,
+        codec=codec,
+        remainder=config.main_storage == "remainder",
+        resident_optimizer=store._resident_optimizer,
+        resident_mains=[entries[i].main for i in resident],
+        master_groups=master_options,
     )
 
 

@@ -1,12 +1,14 @@
 """Saved optimizer state: writing it, reading it back, and changing its shape.
 
-Owns the save and the transactional load of a store (``persistence``), the
-manifest each save writes and every load verifies (``manifest``), the store's
-description the manifest records and a load compares (``description``), resharding to
-another data-parallel size (the plan of which saved elements each new rank
-takes: ``reshard_plan``; done at load: ``reshard_load``; done offline, file to
-file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``, run as
-``python -m miles_plugins.optimizers.ckpt``). May import
+Owns a store's checkpoints: the store's parts a checkpoint holds
+(``persistence``), the save (``writer``) and the transactional load
+(``reader``), the master's param-group options they carry (``group_options``),
+the manifest each save writes and every load verifies (``manifest``), the
+store's description the manifest records and a load compares (``description``),
+resharding to another data-parallel size (the plan of which saved elements each
+new rank takes: ``reshard_plan``; done at load: ``reshard_load``; done offline,
+file to file: ``reshard_offline``) and the operator's ``ckpt`` command (``cli``,
+run as ``python -m miles_plugins.optimizers.ckpt``). May import
 ``miles_plugins.optimizers.errors``, ``.config``, ``.formats``, ``.homes`` and
 ``.step`` (the per-bucket optimizers and codec whose state a save holds);
 never the store or ``megatron``.
