@@ -563,7 +563,7 @@ def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report
 def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch, fp32_param_moments):
     """fp32-native params are updated in place, last: a failure there cannot be
     rolled back, and the store must not claim it was."""
-    from miles_plugins.optimizers.step.adam import BucketOptimizer
+    from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 
     config = {"fp32_param_moments": fp32_param_moments}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)

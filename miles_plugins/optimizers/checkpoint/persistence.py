@@ -29,7 +29,7 @@ from miles_plugins.optimizers.errors import StreamConfigError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.scratch import live_scratch_overlap
-from miles_plugins.optimizers.step.adam import BucketOptimizer
+from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec
 
 if TYPE_CHECKING:

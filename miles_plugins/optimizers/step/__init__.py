@@ -2,7 +2,7 @@
 
 Owns the walk over the buckets with at most ``buckets_in_flight`` on the device
 (``pipeline``), the per-bucket optimizers that reproduce the master optimizer's
-update exactly (``adam``), the conversion of each segment between its stored
+update exactly (``adam``) with the small state each keeps (``bucket_optimizer``), the conversion of each segment between its stored
 format and fp32 (``codec``), what a failed step can undo (``rollback``), the
 entries the step runs over with its statistics (``entries``) and the moves
 and offload of the ``gpu`` home between steps (``gpu_home``) and the overlap

@@ -49,7 +49,7 @@ import torch
 from miles_plugins.optimizers.errors import StreamIOTimeout
 from miles_plugins.optimizers.formats.layout import MOMENT_SEGMENTS, BucketLayout
 from miles_plugins.optimizers.homes.engines import Ticket, Transfer
-from miles_plugins.optimizers.step.adam import BucketOptimizer
+from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 from miles_plugins.optimizers.step.entries import Entry, StepStats
 
