@@ -55,9 +55,10 @@ from miles_plugins.optimizers.homes.placement import PlacedBacking, Placement
 from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
+from miles_plugins.optimizers.step.flight import Flight
 from miles_plugins.optimizers.step.gpu_home import GpuHome
 from miles_plugins.optimizers.step.overlap import OverlapWindow
-from miles_plugins.optimizers.step.pipeline import Flight, LandingError, Pipeline
+from miles_plugins.optimizers.step.pipeline import LandingError, Pipeline
 from miles_plugins.optimizers.step.rollback import StepRollback, first_written_in_place
 
 logger = logging.getLogger(__name__)
@@ -176,15 +177,15 @@ class StreamingStore:
             self._backing, self._engine = _open_backing_and_engine(config, self.buckets, self.placed, self._device)
             codec = Codec(self.buckets)
             self._pipeline = Pipeline(
-                self.entries,
-                self.buckets,
-                self._bucket_optimizers,
-                self._backing,
-                self._engine,
-                codec,
-                config.depth,
-                self._device,
-                config.io_timeout_s,
+                entries=self.entries,
+                buckets=self.buckets,
+                optimizers=self._bucket_optimizers,
+                backing=self._backing,
+                engine=self._engine,
+                codec=codec,
+                device=self._device,
+                io_timeout_s=config.io_timeout_s,
+                depth=config.depth,
                 drain_before=first_written_in_place(self.buckets, self.placed),
             )
             self._window = OverlapWindow(config.overlap_bytes, self.buckets, self.placed, self._pipeline)

@@ -429,7 +429,7 @@ def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twi
     so that the bucket's memory could be released (and reused) under it. Each bucket is
     written once, and training stays byte-identical to the run without a window."""
     from miles_plugins.optimizers.homes.engines import PipelinedEngine
-    from miles_plugins.optimizers.step.pipeline import Flight
+    from miles_plugins.optimizers.step.flight import Flight
 
     plain = fresh(tmp_path / "plain", "rank0")
     _train(*plain, range(STEPS))

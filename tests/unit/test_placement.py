@@ -657,7 +657,7 @@ def test_compact_forms_beside_shared_fp32_tensors_in_the_gpu_home_train_as_in_ho
 def test_a_tensor_that_still_shares_a_home_is_never_resized_through():
     """``StateAccounting.materialize`` refuses a view into a larger storage (a home's
     bytes): resizing its storage would resize the home."""
-    from miles_plugins.optimizers.step.pipeline import StateAccounting
+    from miles_plugins.optimizers.step.flight import StateAccounting
 
     home = torch.arange(64, dtype=torch.uint8)
     tensor = torch.empty(4)

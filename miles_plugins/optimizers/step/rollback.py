@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.placement import Placement
 from miles_plugins.optimizers.step.entries import EntryFn
-from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.flight import Flight
+from miles_plugins.optimizers.step.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
