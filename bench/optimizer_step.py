@@ -256,7 +256,7 @@ def streamed_store(params: list[torch.Tensor], grads: list[torch.Tensor], config
     AdamW(``adamw``)."""
     from miles_plugins.optimizers.step.adam import backend_for
     from miles_plugins.optimizers.step.entries import Entry
-    from miles_plugins.optimizers.store import StreamingStore
+    from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
     entries = []
     for p in params:

@@ -39,7 +39,7 @@ import torch
 from bench.codec import gpt_entries
 from bench.optimizer_step import streamed_store, sync_device
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 GIB = 1 << 30
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

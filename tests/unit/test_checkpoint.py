@@ -19,7 +19,7 @@ from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 from tests.unit.reference import (
     Net,
     assert_same_training,

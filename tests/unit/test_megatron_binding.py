@@ -37,7 +37,6 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfig,
     StreamConfigError,
 )
-from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
 from miles_plugins.optimizers.homes.backings import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron.binding import (  # noqa: E402
@@ -46,6 +45,7 @@ from miles_plugins.optimizers.megatron.binding import (  # noqa: E402
     _MainsWithoutStorage,
     deferred_mains,
 )
+from miles_plugins.optimizers.store import plan as store_module  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]

@@ -712,7 +712,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
         optimizer, StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, **config)
     )
     store = streamed.store
-    update = store._update
+    update = store._steps.update
 
     def watched_update(flight):
         before = store._pipeline.accounting.current
@@ -721,7 +721,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
             store._pipeline.accounting.current - before
         )
 
-    monkeypatch.setattr(store, "_update", watched_update)
+    monkeypatch.setattr(store._steps, "update", watched_update)
     seen.clear()  # the setup's writes of the mains
     for step in range(3):
         loss_fn(model, step).backward()

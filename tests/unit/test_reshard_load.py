@@ -18,7 +18,7 @@ from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
 from miles_plugins.optimizers.formats import quant8
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 from tests.unit.reference import same_bytes
 from tests.unit.test_reshard import megatron_param_layout, megatron_shards
 

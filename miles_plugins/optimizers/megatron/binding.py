@@ -80,7 +80,7 @@ from miles_plugins.optimizers.megatron.args import refusals_of_optimizer
 from miles_plugins.optimizers.megatron.pins import PINS
 from miles_plugins.optimizers.step.adam import backend_for, bind_master
 from miles_plugins.optimizers.step.entries import Entry, StepStats
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from miles_plugins.optimizers.homes.placement import (
 from miles_plugins.optimizers.step.pipeline import Pipeline
 from miles_plugins.optimizers.step.rollback import first_written_in_place
 
+if TYPE_CHECKING:
+    from miles_plugins.optimizers.homes.protocols import Engine
+
 
 class GpuHome:
     """The ``gpu`` home of one store. ``settle`` is the store's: it runs before a
@@ -36,10 +40,11 @@ class GpuHome:
 
     def __init__(
         self,
+        *,
         placed: Placement,
         backing: PlacedBacking,
         buckets: Sequence[BucketLayout],
-        engine,
+        engine: Engine,
         pipeline: Pipeline,
         device: torch.device,
         settle: Callable[[], None],

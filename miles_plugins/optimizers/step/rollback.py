@@ -16,7 +16,7 @@ pipeline drains every disk write before the first of them, ``drain_before``), so
 a failure before them still rolls back. After one of them was updated, or with
 remainder mains, or while transfers hang, the store refuses to step again.
 
-An overlap window's deferred writes (``store.py``) run after the step returned:
+An overlap window's deferred writes (``step/overlap.py``) run after the step returned:
 a failure of one cannot roll anything back either, and the store refuses too.
 A step that fails after its walk drops its own deferred writes before rolling back.
 """
