@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -180,7 +180,7 @@ def is_streamed(master: torch.optim.Optimizer) -> bool:
     return getattr(master, _STREAMED_MARK, False)
 
 
-def bind_master(master: torch.optim.Optimizer, step, *, checkpoint_with: str) -> None:
+def bind_master(master: torch.optim.Optimizer, step: Callable[[], object], *, checkpoint_with: str) -> None:
     """Route ``master``'s own entry points to the streamed state, on this instance only.
 
     The master optimizer holds no state once its state streams: its ``step``

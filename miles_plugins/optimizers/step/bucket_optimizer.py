@@ -236,7 +236,7 @@ def _is_step_count(value) -> bool:
     )
 
 
-def is_step_tensor(value) -> bool:
+def is_step_tensor(value: object) -> bool:
     """:func:`_to_json`'s form of a step count kept as a tensor."""
     return (
         isinstance(value, dict)

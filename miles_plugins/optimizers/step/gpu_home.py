@@ -18,7 +18,7 @@ import torch
 
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes.auto_budget import check_host_room
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget, check_host_room
 from miles_plugins.optimizers.homes.backings import DeviceBacking
 from miles_plugins.optimizers.homes.placement import (
     DEVICE_FILL_ORDER,
@@ -75,8 +75,9 @@ class GpuHome:
         self._pipeline.drain_before = first_written_in_place(self._buckets, self._placed)
         return done
 
-    def offload(self, store, auto_gpu) -> None:
-        """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None."""
+    def offload(self, store: object, auto_gpu: AutoGpuBudget | None) -> None:
+        """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None
+        (which knows the store as ``store``)."""
         backing = self.backing
         if backing is not None:
             # What will be pinned: under an auto budget only the buckets placed on the device

@@ -62,11 +62,11 @@ class StepRollback:
 
     def __init__(
         self,
+        *,
         step_number: int,
         pipeline: Pipeline,
         placed: Placement,
         copy_to_model: EntryFn,
-        *,
         remainder_mains: bool,
     ) -> None:
         self._step_number = step_number

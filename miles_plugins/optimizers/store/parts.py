@@ -9,7 +9,7 @@ A failure part way releases what was built.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -200,7 +200,7 @@ def _open_backing_and_engine(config: StreamConfig, buckets, placed: Placement, d
     host memory, device memory) and the engine (a set of I/O threads per directory)."""
     pin = torch.cuda.is_available()
 
-    def build(key, mine: list[BucketLayout]):
+    def build(key: Hashable, mine: list[BucketLayout]) -> HostBacking | DeviceBacking | FileBacking:
         if key == "host":
             return HostBacking(mine, pin=pin)
         if key == "gpu":

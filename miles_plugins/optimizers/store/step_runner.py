@@ -57,7 +57,11 @@ class StepRunner:
         start = time.perf_counter()
         stats = StepStats()
         rollback = StepRollback(
-            step_number, self._pipeline, self._parts.placed, self.copy_to_model, remainder_mains=self._remainder_mains
+            step_number=step_number,
+            pipeline=self._pipeline,
+            placed=self._parts.placed,
+            copy_to_model=self.copy_to_model,
+            remainder_mains=self._remainder_mains,
         )
 
         def update(flight: Flight) -> None:
