@@ -219,7 +219,7 @@ def test_a_hung_drive_fails_the_step_within_its_timeout_and_the_last_checkpoint_
 def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     tmp_path, monkeypatch, caplog, fault_report, placement
 ):
-    from miles_plugins.optimizers.step import pipeline as pipeline_module
+    from miles_plugins.optimizers.step.flight import StateAccounting
     from tests.unit.test_placement import _all_three_homes
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
@@ -228,7 +228,7 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     config = _all_three_homes() if placement != "disk" else {"bucket_cap_elements": 500}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
     before = state_of(model, streamed)
-    real = pipeline_module.StateAccounting.materialize
+    real = StateAccounting.materialize
     calls = {"n": 0}
 
     def failing_materialize(self, t):
@@ -238,10 +238,10 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, t)
 
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", failing_materialize)
+    monkeypatch.setattr(StateAccounting, "materialize", failing_materialize)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info, caplog.at_level(logging.WARNING):
         optimizer.step()
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", real)
+    monkeypatch.setattr(StateAccounting, "materialize", real)
     updated = _rolled_back_buckets(caplog)
     assert updated >= 1, "the failure must come after some buckets were updated"
     assert_same_training(before, state_of(model, streamed))
@@ -564,7 +564,7 @@ def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report
 def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch, fp32_param_moments):
     """fp32-native params are updated in place, last: a failure there cannot be
     rolled back, and the store must not claim it was."""
-    from miles_plugins.optimizers.step.adam import BucketOptimizer
+    from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 
     config = {"fp32_param_moments": fp32_param_moments}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)

@@ -26,7 +26,7 @@ from miles_plugins.optimizers.homes.memory_probes import CudaMemory
 from miles_plugins.optimizers.homes.placed_backing import PlacedBacking
 from miles_plugins.optimizers.homes.protocols import Backing, DmaHandle, Engine, Handle, Ticket
 from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 REPO = Path(__file__).resolve().parents[2]
 

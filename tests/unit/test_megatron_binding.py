@@ -37,12 +37,12 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfig,
     StreamConfigError,
 )
-from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
 from miles_plugins.optimizers.homes.device_backing import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron.binding import MegatronBinding  # noqa: E402
 from miles_plugins.optimizers.megatron.deferred_mains import MainsWithoutStorage, deferred_mains  # noqa: E402
 from miles_plugins.optimizers.megatron.state_dict import STREAMED_STATE_KEY  # noqa: E402
+from miles_plugins.optimizers.store import plan as store_module  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]

@@ -657,7 +657,7 @@ def test_compact_forms_beside_shared_fp32_tensors_in_the_gpu_home_train_as_in_ho
 def test_a_tensor_that_still_shares_a_home_is_never_resized_through():
     """``StateAccounting.materialize`` refuses a view into a larger storage (a home's
     bytes): resizing its storage would resize the home."""
-    from miles_plugins.optimizers.step.pipeline import StateAccounting
+    from miles_plugins.optimizers.step.flight import StateAccounting
 
     home = torch.arange(64, dtype=torch.uint8)
     tensor = torch.empty(4)
@@ -712,7 +712,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
         optimizer, StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, **config)
     )
     store = streamed.store
-    update = store._update
+    update = store._steps.update
 
     def watched_update(flight):
         before = store._pipeline.accounting.current
@@ -721,7 +721,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
             store._pipeline.accounting.current - before
         )
 
-    monkeypatch.setattr(store, "_update", watched_update)
+    monkeypatch.setattr(store._steps, "update", watched_update)
     seen.clear()  # the setup's writes of the mains
     for step in range(3):
         loss_fn(model, step).backward()

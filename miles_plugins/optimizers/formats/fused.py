@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # The first chunk of an entry, which overlaps its own stored form, goes through a
 # scratch of this many codes: at most 4 bytes each (16 MiB), within the conversion
-# scratch the store states (``store.CONVERSION_SCRATCH_BYTES``).
+# scratch the store states (``store.bounds.CONVERSION_SCRATCH_BYTES``).
 SCRATCH_ELEMENTS = CHUNK_ELEMENTS
 # Blocks of 256 elements per Triton program (quant8), elements per program (remainder),
 # warps per program (all kernels).

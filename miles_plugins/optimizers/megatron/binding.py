@@ -78,7 +78,7 @@ from miles_plugins.optimizers.megatron.shard_map import MegatronEntry, ShardMap,
 from miles_plugins.optimizers.megatron.topology import topology
 from miles_plugins.optimizers.step.adam import backend_for, bind_master
 from miles_plugins.optimizers.step.entries import StepStats
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 logger = logging.getLogger(__name__)
 
