@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= constraints-cpu.txt
 DEMO_ARGS ?=
 
-.PHONY: demo test test-topology faults test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench-gpu bench-report bench-checkpoint bench-moments bench-codec
+.PHONY: demo test test-topology faults test-kernels test-gpu lint format venv clean apply-patches revert-patches patch-status drift matrix bench-gpu bench-report bench-checkpoint bench-moments bench-codec
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,14 @@ test-topology: venv
 # The failure scenarios (also part of `make test`), with their report table.
 faults: venv
 	$(PY) -m pytest -q -m fault --fault-report tests/unit
+
+# The fused codec kernels run by Triton's interpreter on the CPU: their bytes against the
+# reference, and their self-test against planted bugs. Triton (CPU use only) goes into
+# $(TRITON_DIR) the first time; `make test` skips these tests without it.
+TRITON_DIR ?= .triton
+test-kernels: venv
+	test -f $(TRITON_DIR)/triton/__init__.py || $(PY) -m pip install --quiet --target $(TRITON_DIR) triton==3.7.1
+	PYTHONPATH=$(CURDIR)/$(TRITON_DIR) $(PY) -m pytest -q tests/unit/test_fused_codec_interpreted.py tests/unit/test_fused_kernel_mutants.py
 
 # The GPU tier, on a CUDA machine with megatron-core importable: it runs with that
 # machine's own torch (no venv), e.g. PYTHONPATH=/tmp/site for a carried wheel.

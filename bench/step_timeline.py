@@ -40,7 +40,7 @@ from bench.codec import gpt_entries
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS, StreamConfig
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 GIB = 1 << 30
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -21,7 +21,7 @@ _EXPORTS = {
     "StreamConfigError": "miles_plugins.optimizers.errors",
     "StreamIOError": "miles_plugins.optimizers.errors",
     "StreamedOptimizer": "miles_plugins.optimizers.torch_front",
-    "StreamingStore": "miles_plugins.optimizers.store",
+    "StreamingStore": "miles_plugins.optimizers.store.streaming_store",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.homes import scratch
+from miles_plugins.optimizers.homes import scratch_purge
 from miles_plugins.optimizers.megatron.args import STREAM_FLAG, add_arguments, config_from_args, validate_args
 from miles_plugins.optimizers.megatron.binding import MegatronBinding, attach
 from miles_plugins.optimizers.megatron.deferred_mains import deferred_mains
@@ -88,7 +88,7 @@ def _purge_previous_layout(directory: str, name: str) -> None:
     if not os.path.isdir(directory) or os.path.islink(directory):
         return
     try:
-        removed, _ = scratch.purge(directory, prefix=f"{name}.")
+        removed, _ = scratch_purge.purge(directory, prefix=f"{name}.")
     except OSError as exc:
         logger.warning("could not check %s for scratch of an earlier version: %s", directory, exc)
         return

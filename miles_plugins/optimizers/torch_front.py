@@ -10,7 +10,7 @@ from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.errors import StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for, bind_master, is_streamed
 from miles_plugins.optimizers.step.entries import Entry, StepStats
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 
 def _fp32_grad(entry: Entry) -> torch.Tensor | None:

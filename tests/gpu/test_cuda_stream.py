@@ -104,7 +104,7 @@ def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tm
         assert_same_training(reference, (params, state))
         streamed.close()
 
-    engine = PipelinedEngine(1, 1 << 20, True, torch.device("cuda"), timeout_s=5.0)
+    engine = PipelinedEngine(threads=1, chunk_bytes=1 << 20, pin=True, device=torch.device("cuda"), timeout_s=5.0)
     memory = HostMemory(64 << 20, pin=True)
     memory.tensor.fill_(7)
     dst = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")

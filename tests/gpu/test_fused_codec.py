@@ -276,7 +276,7 @@ def test_a_stores_steps_replay_graphs_and_give_the_eager_steps_bytes(monkeypatch
     from miles_plugins.optimizers.step import graphs
     from miles_plugins.optimizers.step.adam import backend_for
     from miles_plugins.optimizers.step.entries import Entry
-    from miles_plugins.optimizers.store import StreamingStore
+    from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
     g = torch.Generator(device="cuda").manual_seed(5)
     shapes = [(2048, 2048), (2048,), (4096, 2048), (300,), (2048, 4096), (2048,)] * 3

@@ -15,7 +15,7 @@ import torch
 
 from miles_plugins.optimizers.formats import quant8
 from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
-from miles_plugins.optimizers.store import CONVERSION_SCRATCH_BYTES
+from miles_plugins.optimizers.store.bounds import CONVERSION_SCRATCH_BYTES
 
 pytestmark = [
     pytest.mark.gpu,

@@ -34,13 +34,13 @@ def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:
     import ctypes
     import errno
 
-    from miles_plugins.optimizers.homes import fs
+    from miles_plugins.optimizers.homes import dir_replace
 
     def no_exchange(*args):
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    fs._renameat2 = lambda: no_exchange
+    dir_replace._renameat2 = lambda: no_exchange
     real_rename = os.rename
 
     def rename(src, dst):

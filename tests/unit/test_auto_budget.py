@@ -19,9 +19,10 @@ import torch
 from miles_plugins.optimizers import StreamConfig
 from miles_plugins.optimizers.config import AUTO
 from miles_plugins.optimizers.errors import StreamConfigError, StreamIOError
-from miles_plugins.optimizers.homes import auto_budget
-from miles_plugins.optimizers.homes.auto_budget import cgroup_room, host_budget
-from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes import auto_budget, memory_probes
+from miles_plugins.optimizers.homes.auto_budget import host_budget
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
+from miles_plugins.optimizers.homes.memory_probes import cgroup_room
 from tests.unit.reference import assert_same_training, reference_run
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, state_of, train
 
@@ -396,7 +397,7 @@ def test_an_offload_gives_buckets_back_pinning_nothing_and_the_restore_refills(t
     moved = store.placement["gpu"]
     assert moved == len(store.buckets)
     # No host memory left at all: nothing is pinned, so nothing is refused.
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 0)
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: 0)
     store.offload_device_home()  # an RL rollout wants the GPU
     assert store.placement["gpu"] == 0 and not store._backing.by_key["gpu"].offloaded
     store.restore_device_home()
@@ -533,7 +534,7 @@ def test_the_host_budget_is_what_memory_and_the_cgroup_leave_less_the_margin_per
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     measured, _ = host_budget(0)  # this machine's own numbers
-    assert 0 < measured <= auto_budget._meminfo_bytes("MemAvailable") * 2  # it moves while we read
+    assert 0 < measured <= memory_probes._meminfo_bytes("MemAvailable") * 2  # it moves while we read
 
 
 def test_cgroup_room_is_the_tightest_limit_on_the_path_to_the_root(tmp_path):
@@ -577,8 +578,8 @@ def test_the_ranks_on_a_node_come_from_the_launcher(monkeypatch, env, ranks):
         monkeypatch.delenv(variable, raising=False)
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
-    assert auto_budget.local_ranks()[0] == ranks
-    assert auto_budget.local_ranks()[1].startswith(next(iter(env), "one process"))
+    assert memory_probes.local_ranks()[0] == ranks
+    assert memory_probes.local_ranks()[1].startswith(next(iter(env), "one process"))
 
 
 def _local_ranks_in_a_process_group(tmp_path, world: int, env: dict) -> list[list[str]]:
@@ -587,10 +588,10 @@ def _local_ranks_in_a_process_group(tmp_path, world: int, env: dict) -> list[lis
     script = tmp_path / "count.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
-        "from miles_plugins.optimizers.homes import auto_budget\n"
+        "from miles_plugins.optimizers.homes import memory_probes\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=int(sys.argv[1]), "
         f"world_size={world})\n"
-        "exact, quiet = auto_budget.local_ranks(group=True), auto_budget.local_ranks()\n"
+        "exact, quiet = memory_probes.local_ranks(group=True), memory_probes.local_ranks()\n"
         "print(exact[0], quiet[0], quiet[1], sep='|')\n"
         "dist.destroy_process_group()\n"
     )
@@ -626,13 +627,13 @@ def test_ranks_that_see_one_gpu_each_count_the_launcher_s_ranks_per_node(tmp_pat
 
 def test_an_auto_host_budget_places_what_it_measured(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="miles_plugins.optimizers.homes.auto_budget")
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     sizer = fresh(tmp_path / "sizes", "s", bucket_cap_elements=CAP, tier="host")[3]
     sizes = [b.file_size for b in sizer.store.buckets]
     sizer.close()
     # Stand-in for /proc/meminfo: room for the last two buckets beyond the margin.
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: GiB + sizes[-1] + sizes[-2])
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: GiB + sizes[-1] + sizes[-2])
     model, optimizer, scheduler, streamed = fresh(
         tmp_path, "rank0", bucket_cap_elements=CAP, host_budget_bytes="auto", auto_host_margin_bytes=GiB
     )

@@ -19,7 +19,7 @@ from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 from tests.unit.reference import (
     Net,
     assert_same_training,
@@ -386,11 +386,11 @@ def test_a_tampered_manifest_is_refused_and_the_store_is_unchanged(tmp_path, sav
 def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, saved, monkeypatch):
     """Host tier: the second read of a file fails part way (it was replaced or the
     drive failed between the two reads): some buckets are already loaded."""
-    from miles_plugins.optimizers.checkpoint import persistence
+    from miles_plugins.optimizers.checkpoint.reader import CheckpointReader
     from miles_plugins.optimizers.errors import StoreUnusableError
 
     model, optimizer, scheduler, streamed = resume(tmp_path, saved, tier="host")
-    real = persistence.Persistence._read_buckets
+    real = CheckpointReader._read_buckets
 
     def copy_then_fail(self, source, manifest, buckets, copy):
         # Between the verifying read and the copy (of the in-place buckets: all of the
@@ -400,7 +400,7 @@ def test_a_failure_after_the_commit_leaves_the_store_refusing_to_step(tmp_path, 
             path.write_bytes(b"\0" * path.stat().st_size)
         return real(self, source, manifest, buckets, copy)
 
-    monkeypatch.setattr(persistence.Persistence, "_read_buckets", copy_then_fail)
+    monkeypatch.setattr(CheckpointReader, "_read_buckets", copy_then_fail)
     with pytest.raises(CheckpointMismatchError, match="bucket_00002.bin: the CRC-32 of 1 of its 1 blocks"):
         streamed.load_from(str(saved))
     loss_fn(model, 0).backward()

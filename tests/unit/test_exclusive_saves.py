@@ -21,7 +21,7 @@ import threading
 import pytest
 import torch
 
-from miles_plugins.optimizers.checkpoint import persistence
+from miles_plugins.optimizers.checkpoint import writer
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import StreamIOError
 from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, fresh, resume, save_run, train
@@ -29,7 +29,7 @@ from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, fresh, re
 # A second process holding a save's lock, as a running save does, until its stdin closes.
 _HOLDER = """
 import sys
-from miles_plugins.optimizers.homes.fs import lock_writer
+from miles_plugins.optimizers.homes.locks import lock_writer
 fd = lock_writer(sys.argv[1], "a save", "", print)
 print("held", flush=True)
 sys.stdin.read()
@@ -80,7 +80,7 @@ def test_two_savers_of_one_name_racing_publish_one_complete_save(tmp_path, monke
     b = fresh(tmp_path / "b", "rank0", bucket_cap_elements=500)
     for model, optimizer, scheduler, _ in (a, b):
         train(model, optimizer, scheduler, range(3))
-    real_create, paused, go = persistence.create_file, threading.Event(), threading.Event()
+    real_create, paused, go = writer.create_file, threading.Event(), threading.Event()
 
     def create_file(directory, name):
         if threading.current_thread().name == "A" and name == "bucket_00001.bin":
@@ -88,7 +88,7 @@ def test_two_savers_of_one_name_racing_publish_one_complete_save(tmp_path, monke
             go.wait(30)
         return real_create(directory, name)
 
-    monkeypatch.setattr(persistence, "create_file", create_file)
+    monkeypatch.setattr(writer, "create_file", create_file)
     errors = {}
 
     def save(who, streamed):

@@ -25,7 +25,8 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamIOTimeout
-from miles_plugins.optimizers.homes.scratch import LOCK_MARKER, purge
+from miles_plugins.optimizers.homes.scratch import LOCK_MARKER
+from miles_plugins.optimizers.homes.scratch_purge import purge
 from miles_plugins.optimizers.step.rollback import StepRollback
 from tests.faults import FaultPlan
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
@@ -140,10 +141,10 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
     the store refuses; the last checkpoint still resumes. (The interrupt is raised in
     the first of those waits, standing in for a signal's arrival there; the abort once
     swallowed it and released the memory.)"""
-    from miles_plugins.optimizers.homes.engines import Ticket
+    from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
-    wait = Ticket.wait
+    wait = TransferTicket.wait
     interrupts = []
 
     def interrupted_abort_wait(self, timeout_s=None):
@@ -152,7 +153,7 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
             raise KeyboardInterrupt
         return wait(self, timeout_s)
 
-    monkeypatch.setattr(Ticket, "wait", interrupted_abort_wait)
+    monkeypatch.setattr(TransferTicket, "wait", interrupted_abort_wait)
     with FaultPlan(tmp_path / "scratch", "write", nth=12, fault="eio"), pytest.raises(KeyboardInterrupt):
         optimizer.step()
     assert len(interrupts) == 1
@@ -218,7 +219,7 @@ def test_a_hung_drive_fails_the_step_within_its_timeout_and_the_last_checkpoint_
 def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     tmp_path, monkeypatch, caplog, fault_report, placement
 ):
-    from miles_plugins.optimizers.step import pipeline as pipeline_module
+    from miles_plugins.optimizers.step.flight import StateAccounting
     from tests.unit.test_placement import _all_three_homes
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
@@ -227,7 +228,7 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     config = _all_three_homes() if placement != "disk" else {"bucket_cap_elements": 500}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
     before = state_of(model, streamed)
-    real = pipeline_module.StateAccounting.materialize
+    real = StateAccounting.materialize
     calls = {"n": 0}
 
     def failing_materialize(self, t):
@@ -237,10 +238,10 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, t)
 
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", failing_materialize)
+    monkeypatch.setattr(StateAccounting, "materialize", failing_materialize)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory") as info, caplog.at_level(logging.WARNING):
         optimizer.step()
-    monkeypatch.setattr(pipeline_module.StateAccounting, "materialize", real)
+    monkeypatch.setattr(StateAccounting, "materialize", real)
     updated = _rolled_back_buckets(caplog)
     assert updated >= 1, "the failure must come after some buckets were updated"
     assert_same_training(before, state_of(model, streamed))
@@ -563,7 +564,7 @@ def test_a_read_that_hangs_outside_a_step_stops_the_store(tmp_path, fault_report
 def test_a_failure_inside_the_fp32_native_update_leaves_the_store_refusing(tmp_path, monkeypatch, fp32_param_moments):
     """fp32-native params are updated in place, last: a failure there cannot be
     rolled back, and the store must not claim it was."""
-    from miles_plugins.optimizers.step.adam import BucketOptimizer
+    from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 
     config = {"fp32_param_moments": fp32_param_moments}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)

@@ -300,9 +300,9 @@ def test_interpreted_kernels_store_the_reference_bytes():
 
 
 if __name__ == "__main__":
-    assert fused.kernels() is not None  # built, and its self-test passed
     fused.SCRATCH_ELEMENTS, fused.PACKED_MAX_ELEMENTS = SCRATCH, SCRATCH // 2
     convert.CHUNK_ELEMENTS = SCRATCH // 2  # the reference, the fallback and decode's exceptions in chunks too
+    assert fused.kernels() is not None  # built, and its self-test (lengths after the scratch's) passed
     for numel in (256, 1000, SCRATCH, 5000, 70001):
         _check_quant8(numel)
         _check_remainder(numel)

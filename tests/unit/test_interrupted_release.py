@@ -19,7 +19,7 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StoreUnusableError
 from miles_plugins.optimizers.step import pipeline
-from miles_plugins.optimizers.step.pipeline import StateAccounting
+from miles_plugins.optimizers.step.flight import StateAccounting
 from tests.unit.reference import Net, between_steps, groups, loss_fn, schedule
 
 

@@ -37,12 +37,12 @@ from miles_plugins.optimizers import (  # noqa: E402
     StreamConfig,
     StreamConfigError,
 )
-from miles_plugins.optimizers import store as store_module  # noqa: E402
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E402
-from miles_plugins.optimizers.homes.backings import DeviceBacking  # noqa: E402
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron.binding import MegatronBinding  # noqa: E402
 from miles_plugins.optimizers.megatron.deferred_mains import MainsWithoutStorage, deferred_mains  # noqa: E402
 from miles_plugins.optimizers.megatron.state_dict import STREAMED_STATE_KEY  # noqa: E402
+from miles_plugins.optimizers.store import plan as store_module  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]
@@ -443,7 +443,7 @@ def test_ranks_of_a_node_plan_their_disk_buckets_with_their_share_of_the_drive(
     """Every rank of a node measures the same free space at once: planned on all of it, each
     took two slots and the ranks' reservations then failed together (seen with two stores on a
     small tmpfs). Here the drive holds this rank's two slots, but not two ranks' worth."""
-    from miles_plugins.optimizers.homes import auto_budget as budgets
+    from miles_plugins.optimizers.homes import memory_probes as budgets
     from miles_plugins.optimizers.megatron import binding as megatron
 
     monkeypatch.setattr(megatron, "check_upstream", lambda: None)

@@ -244,17 +244,17 @@ def _fail_after_the_walk_then_retry(tmp_path, **config):
         streamed.progress()
         loss_fn(model, step).backward()
         if step == 3:
-            real = store._grad_fn
+            real = store._steps.grad_fn
 
             def failing(entry, real=real):
                 if entry is store.entries[store._resident_entries[0]]:
                     raise RuntimeError("out of memory (injected) widening a grad")
                 return real(entry)
 
-            store._grad_fn = failing
+            store._steps.grad_fn = failing
             with pytest.raises(RuntimeError, match="injected"):
                 optimizer.step()
-            store._grad_fn = real
+            store._steps.grad_fn = real
             assert not store._pipeline.landing, "the failed step's deferred writes must not land"
         optimizer.step()
         optimizer.zero_grad()
@@ -429,7 +429,7 @@ def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twi
     so that the bucket's memory could be released (and reused) under it. Each bucket is
     written once, and training stays byte-identical to the run without a window."""
     from miles_plugins.optimizers.homes.engines import PipelinedEngine
-    from miles_plugins.optimizers.step.pipeline import Flight
+    from miles_plugins.optimizers.step.flight import Flight
 
     plain = fresh(tmp_path / "plain", "rank0")
     _train(*plain, range(STEPS))

@@ -15,8 +15,8 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamConfigError, StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes import auto_budget, backings
-from miles_plugins.optimizers.homes.backings import DeviceBacking
+from miles_plugins.optimizers.homes import auto_budget, backings, memory_probes
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.file_io import BlockCrc
 from miles_plugins.optimizers.homes.fs import parse_size
 from miles_plugins.optimizers.homes.host_memory import HostMemory
@@ -290,18 +290,18 @@ def test_an_offload_the_host_has_no_room_for_is_refused_before_anything_moves(tm
     home = device_home.bytes_on_device()
     assert home > 0
     # Stand-ins for /proc/meminfo and the cgroup: one byte short of the home.
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: home - 1)
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: home - 1)
     with pytest.raises(StreamIOError, match=r"the offload would put .* GB in \(pinned\) host memory") as refused:
         store.offload_device_home()
     assert refused.value.errno == errno.ENOMEM
     assert device_home._offloaded == {} and device_home.bytes_on_device() == home
     train(model, optimizer, scheduler, range(4, 8))
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: 2 * home)
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: home - 1)  # the cgroup's limit counts too
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: 2 * home)
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: home - 1)  # the cgroup's limit counts too
     with pytest.raises(StreamIOError, match="left under the cgroup's limit"):
         store.offload_device_home()
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: home)  # just enough
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: home)  # just enough
     store.offload_device_home()
     assert device_home.bytes_on_device() == 0
     store.restore_device_home()
@@ -319,7 +319,7 @@ def test_an_auto_offload_counts_only_what_it_would_pin_and_refuses_before_moving
     sizes = _bucket_sizes()
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)
     model = Net(torch.bfloat16)
     optimizer = torch.optim.AdamW(groups(model))
     config = StreamConfig(directory=str(drive / "state"), bucket_cap_elements=CAP, gpu_budget_bytes="auto")
@@ -334,11 +334,11 @@ def test_an_auto_offload_counts_only_what_it_would_pin_and_refuses_before_moving
     moved, _ = store.move_to_gpu_home(10**9, "disk")  # as the budget does after a step with room
     assert moved > 0 and store._backing.below
     before = dict(store.placement)
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
     with pytest.raises(StreamIOError, match="the offload would put"):
         store.offload_device_home()
     assert store.placement == before  # nothing went back below either
-    monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]))  # the setup's buckets fit
+    monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: sum(sizes[-2:]))  # the setup's buckets fit
     store.offload_device_home()
     assert store.placement["gpu"] == 2 and store._backing.by_key["gpu"].bytes_on_device() == 0
     store.restore_device_home()
@@ -549,7 +549,7 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
     sizes = _bucket_sizes()
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
-    monkeypatch.setattr(auto_budget, "cgroup_room", lambda: None)
+    monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)
     ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
     model = Net(torch.bfloat16)
     optimizer = torch.optim.AdamW(groups(model))
@@ -566,12 +566,12 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
         if step == 1:
             # Only the setup's buckets would be pinned (the others have places below): one
             # byte short of them, the offload is refused before any bucket moves.
-            monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
+            monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: sum(sizes[-2:]) - 1)
             before = dict(streamed.store.placement)
             with pytest.raises(StreamIOError, match="the offload would put"):
                 streamed.store.offload_device_home()
             assert streamed.store.placement == before
-            monkeypatch.setattr(auto_budget, "_meminfo_bytes", lambda field: sum(sizes[-2:]))
+            monkeypatch.setattr(memory_probes, "_meminfo_bytes", lambda field: sum(sizes[-2:]))
             streamed.store.offload_device_home()
             streamed.store.restore_device_home()
     by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
@@ -657,7 +657,7 @@ def test_compact_forms_beside_shared_fp32_tensors_in_the_gpu_home_train_as_in_ho
 def test_a_tensor_that_still_shares_a_home_is_never_resized_through():
     """``StateAccounting.materialize`` refuses a view into a larger storage (a home's
     bytes): resizing its storage would resize the home."""
-    from miles_plugins.optimizers.step.pipeline import StateAccounting
+    from miles_plugins.optimizers.step.flight import StateAccounting
 
     home = torch.arange(64, dtype=torch.uint8)
     tensor = torch.empty(4)
@@ -712,7 +712,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
         optimizer, StreamConfig(directory=str(tmp_path), tier="host", bucket_cap_elements=CAP, **config)
     )
     store = streamed.store
-    update = store._update
+    update = store._steps.update
 
     def watched_update(flight):
         before = store._pipeline.accounting.current
@@ -721,7 +721,7 @@ def test_what_lends_all_foresees_is_what_each_fetch_materializes(tmp_path, monke
             store._pipeline.accounting.current - before
         )
 
-    monkeypatch.setattr(store, "_update", watched_update)
+    monkeypatch.setattr(store._steps, "update", watched_update)
     seen.clear()  # the setup's writes of the mains
     for step in range(3):
         loss_fn(model, step).backward()

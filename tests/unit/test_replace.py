@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
-from miles_plugins.optimizers.homes import fs
+from miles_plugins.optimizers.homes import dir_replace
 from tests.unit.children import start
 from tests.unit.reference import assert_same_training, reference_run
 from tests.unit.test_checkpoint import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, state_of, train
@@ -32,19 +32,19 @@ def no_exchange(monkeypatch, request):
             ctypes.set_errno(errno.EINVAL)
             return -1
 
-        monkeypatch.setattr(fs, "_renameat2", lambda: refuse)
+        monkeypatch.setattr(dir_replace, "_renameat2", lambda: refuse)
     else:
 
         class OldLibc:
             def __init__(self, *args, **kwargs):
                 pass  # a libc without the symbol: attribute lookups fail
 
-        fs._renameat2.cache_clear()
-        monkeypatch.setattr(fs.ctypes, "CDLL", OldLibc)
-        assert fs._renameat2() is None
+        dir_replace._renameat2.cache_clear()
+        monkeypatch.setattr(dir_replace.ctypes, "CDLL", OldLibc)
+        assert dir_replace._renameat2() is None
     yield request.param
     monkeypatch.undo()
-    fs._renameat2.cache_clear()  # forget the missing symbol: the next test finds the real one
+    dir_replace._renameat2.cache_clear()  # forget the missing symbol: the next test finds the real one
 
 
 @pytest.mark.fault
@@ -53,7 +53,7 @@ def test_a_save_replaces_the_previous_one_without_the_exchange(tmp_path, caplog,
     ckpt = tmp_path / "ckpt"
     model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
     train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.homes.fs"):
+    with caplog.at_level(logging.INFO, logger="miles_plugins.optimizers.homes.dir_replace"):
         streamed.save_to(str(ckpt))
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
     assert "replacing saved state with a rename pair" in caplog.text
@@ -113,7 +113,7 @@ def test_a_backup_left_beside_a_complete_save_is_removed_by_the_next_save(tmp_pa
 def _fail_parent_fsync(monkeypatch, parent, nth: int, error: BaseException) -> list[str]:
     """Make the ``nth`` fsync of ``parent``'s entries raise ``error`` (EIO from the drive,
     an interrupt); returns the log of fsynced directories."""
-    real, seen = fs.fsync_dir, []
+    real, seen = dir_replace.fsync_dir, []
 
     def fsync_dir(path):
         seen.append(path)
@@ -121,7 +121,7 @@ def _fail_parent_fsync(monkeypatch, parent, nth: int, error: BaseException) -> l
             raise error
         return real(path)
 
-    monkeypatch.setattr(fs, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(dir_replace, "fsync_dir", fsync_dir)
     return seen
 
 
@@ -142,10 +142,10 @@ def test_a_save_whose_new_entry_cannot_be_made_durable_puts_the_previous_one_bac
     before = {p.name: p.read_bytes() for p in (ckpt / "rank0").iterdir()}
     train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 2))
     if how == "fallback":
-        monkeypatch.setattr(fs, "_renameat2", lambda: None)
-    eio = fs.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
+        monkeypatch.setattr(dir_replace, "_renameat2", lambda: None)
+    eio = dir_replace.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
     _fail_parent_fsync(monkeypatch, ckpt, nth, eio)
-    with pytest.raises(fs.StreamIOError, match="the previous directory is back in place") as raised:
+    with pytest.raises(dir_replace.StreamIOError, match="the previous directory is back in place") as raised:
         streamed.save_to(str(ckpt))
     monkeypatch.undo()
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the failed save's directory is removed"
@@ -171,14 +171,14 @@ def test_where_the_previous_save_cannot_be_put_back_the_new_one_stays_and_the_sa
     ckpt = tmp_path / "ckpt"
     model, optimizer, scheduler, streamed = save_run(tmp_path, ckpt)
     train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 1))
-    eio = fs.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
+    eio = dir_replace.StreamIOError(f"cannot make {ckpt} durable (fsync): Input/output error", str(ckpt), 0, errno.EIO)
     _fail_parent_fsync(monkeypatch, ckpt, 1, eio)
 
     def refuse(a, b):
         raise OSError(errno.EROFS, "Read-only file system", b)
 
-    monkeypatch.setattr(fs, "_exchange_back", refuse)
-    with caplog.at_level(logging.WARNING, logger="miles_plugins.optimizers.homes.fs"):
+    monkeypatch.setattr(dir_replace, "_exchange_back", refuse)
+    with caplog.at_level(logging.WARNING, logger="miles_plugins.optimizers.homes.dir_replace"):
         streamed.save_to(str(ckpt))
     assert "putting the previous directory back failed too" in caplog.text
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"]

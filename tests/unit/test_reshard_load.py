@@ -18,7 +18,7 @@ from miles_plugins.optimizers import CheckpointMismatchError, StreamConfig
 from miles_plugins.optimizers.formats import quant8
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 from tests.unit.reference import same_bytes
 from tests.unit.test_reshard import megatron_param_layout, megatron_shards
 
@@ -336,13 +336,13 @@ def test_other_tp_sizes_without_param_keys_are_refused_in_one_line_naming_them(t
 def test_ckpt_reshard_writes_the_stores_a_run_at_the_new_size_loads_as_its_own(tmp_path, config, monkeypatch, capsys):
     """Offline, through the same reads and plan; the new ranks then load without resharding."""
     from miles_plugins.optimizers.checkpoint import cli as ckpt
-    from miles_plugins.optimizers.checkpoint import persistence
+    from miles_plugins.optimizers.checkpoint import reader
 
     saved = _saved(tmp_path, 2, CONFIGS[config], SAVE_AT, "iter_0000003")
     out = tmp_path / "new" / "iter_0000003"
     assert ckpt.main(["reshard", str(saved), "--dp", "3", "--out", str(out)]) == 0
     assert ckpt.main(["inspect", str(out)]) == 0
-    monkeypatch.setattr(persistence, "ReshardedLoad", None)  # a load that resharded would fail here
+    monkeypatch.setattr(reader, "ReshardedLoad", None)  # a load that resharded would fail here
     resumed = ranks(tmp_path / "b", 3, CONFIGS[config])
     for rank in resumed:
         rank.load_params(reference(SAVE_AT))
@@ -455,7 +455,7 @@ def test_ckpt_reshard_refuses_an_output_another_reshard_is_writing(tmp_path, cap
     output's lock (it used to remove the first's partial output, which then
     renamed what was left into place and reported success)."""
     from miles_plugins.optimizers.checkpoint import cli as ckpt
-    from miles_plugins.optimizers.homes.fs import lock_file, unlock_file
+    from miles_plugins.optimizers.homes.locks import lock_file, unlock_file
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     out = tmp_path / "new" / "iter_0000002"

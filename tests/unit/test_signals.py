@@ -14,6 +14,7 @@ import pytest
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.homes import scratch as scratch_module
+from miles_plugins.optimizers.homes import scratch_purge
 from tests.unit.children import start
 from tests.unit.test_bad_input import REPO, _wrap
 
@@ -137,7 +138,7 @@ def test_purge_leaves_a_scratch_whose_lock_was_replaced_under_it(tmp_path, monke
     file) and the next run of the rank starts with a new lock file. The flock
     then succeeds on a file no longer in place; purge must notice."""
     first = _wrap(tmp_path, name="rank0")
-    real_flock = scratch_module.fcntl.flock
+    real_flock = scratch_purge.fcntl.flock
     later = {}
 
     def interleave(fd, operation):
@@ -147,8 +148,8 @@ def test_purge_leaves_a_scratch_whose_lock_was_replaced_under_it(tmp_path, monke
             later["run"] = _wrap(tmp_path, name="rank0")  # run 2 of the same rank
         return real_flock(fd, operation)
 
-    monkeypatch.setattr(scratch_module.fcntl, "flock", interleave)
-    removed, skipped = scratch_module.purge(str(tmp_path))
+    monkeypatch.setattr(scratch_purge.fcntl, "flock", interleave)
+    removed, skipped = scratch_purge.purge(str(tmp_path))
     monkeypatch.undo()
     assert removed == [] and any("replaced while purging" in s for s in skipped), skipped
     assert (tmp_path / "rank0").is_dir() and (tmp_path / ".rank0.lock").exists(), "run 2's scratch must survive"

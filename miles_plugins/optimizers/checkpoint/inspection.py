@@ -24,8 +24,8 @@ from miles_plugins.optimizers.checkpoint.manifest import (
     crc_mismatch,
     removed_moment_dtype,
 )
+from miles_plugins.optimizers.homes.dir_replace import saved_dirs
 from miles_plugins.optimizers.homes.file_io import file_crcs
-from miles_plugins.optimizers.homes.fs import saved_dirs
 
 # How a Megatron chain names its stores: rank<global rank>.opt<position in the chain>.
 STORE_NAME = re.compile(r"rank(\d+)\.(opt\d+)")

@@ -30,15 +30,14 @@ from miles_plugins.optimizers.homes.fs import (
     create_file,
     fsync,
     fsync_dir,
-    lock_writer,
     make_dirs,
     make_private_dir,
     open_file,
     remove_private_dir,
     require_free_space,
-    unlock_file,
 )
 from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.locks import lock_writer, unlock_file
 
 # The size of each write into a new bucket file.
 STAGING_BYTES = 16 << 20

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME, START_FRESH, Manifest, differences
 from miles_plugins.optimizers.errors import CheckpointMismatchError
-from miles_plugins.optimizers.homes.fs import check_plain_dir, saved_dirs
+from miles_plugins.optimizers.homes.dir_replace import saved_dirs
+from miles_plugins.optimizers.homes.fs import check_plain_dir
 
 
 @dataclass

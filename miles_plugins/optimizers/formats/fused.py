@@ -15,9 +15,12 @@ value is the count of map midpoints ``m`` with ``not (m >= v)``, which is what
 two comparisons finish it;
 a block's scale is ``torch.maximum(amax, -amin).abs()``, NaN when the block holds
 one (the NaN's bits may differ: either decodes the whole block to NaN). The GPU tier
-compares the bytes with the CPU reference, and so does a self-test on crafted values
-when the kernels are first wanted: a Triton that does not build them, or builds them
-to other bytes, leaves the reference in charge, with a warning.
+compares the bytes with the CPU reference, and so does a self-test when the kernels are
+first wanted on a device (``kernel_self_test.py``: ties under several scales with their
+float neighbours, padding a wrong value would show, writes past every output, remainder
+mains across chunk and program edges, an overflow of the exception slots): a Triton
+that does not build them, or builds them to other bytes, leaves the reference in
+charge, with a warning.
 
 In place, in few launches: the stored form lives in the first bytes of the fp32
 tensor's storage (see ``convert.py``). A chunk of fp32 elements ``[s, e)`` (bytes
@@ -49,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # The first chunk of an entry, which overlaps its own stored form, goes through a
 # scratch of this many codes: at most 4 bytes each (16 MiB), within the conversion
-# scratch the store states (``store.CONVERSION_SCRATCH_BYTES``).
+# scratch the store states (``store.bounds.CONVERSION_SCRATCH_BYTES``).
 SCRATCH_ELEMENTS = CHUNK_ELEMENTS
 # Blocks of 256 elements per Triton program (quant8), elements per program (remainder),
 # warps per program (all kernels).
@@ -100,82 +103,18 @@ def _checked_kernels(device: torch.device) -> ModuleType | None:
         from miles_plugins.optimizers.formats import triton_kernels
     except ImportError:
         return None
+    # Here, not at the top: the self-test drives the kernels through this module's functions.
+    from miles_plugins.optimizers.formats.kernel_self_test import self_test
+
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            _self_test(triton_kernels, device)
+            self_test(triton_kernels, device)
     except Exception as exc:  # a compiler, cache directory or Triton version that fails here, not mid-step
         logger.warning(
             "fused codec kernels unavailable on %s (%s: %s); using the torch reference", device, type(exc).__name__, exc
         )
         return None
     return triton_kernels
-
-
-def _self_test(module: ModuleType, device: torch.device) -> None:
-    """Build every kernel (Triton compiles at first launch) on crafted values on
-    ``device`` (the CPU under Triton's interpreter) and compare what it stores with the
-    reference on the CPU: exact ties, zero (both signs), subnormal, infinite and NaN
-    values, remainder exceptions. Raises where a byte differs."""
-    from miles_plugins.optimizers.formats import quant8, remainder
-
-    cpu, block = torch.device("cpu"), quant8.BLOCK
-    x = torch.zeros(6 * block + 7, device=cpu)  # block 0 all +0; a partial last block
-    x[block] = 1.0  # scale 1: the next values are the signed map's midpoints themselves (ties)
-    x[block + 1 : 2 * block] = quant8._tables(True, cpu)[1]
-    x[2 * block : 3 * block] = torch.linspace(-1, 1, block, device=cpu) * 1e-39  # subnormal
-    x[3 * block + 5], x[4 * block + 9] = float("inf"), float("nan")
-    x[3 * block + 6 : 4 * block] = torch.linspace(-3, 2, block - 6, device=cpu)
-    x[5 * block : 6 * block] = -0.0
-    x[6 * block :] = torch.tensor([3.0, -2.5, 1e-3, -7.0, 0.5, 1e-45, -0.0], device=cpu)
-    # Two lengths, one a multiple of 16 and one not: Triton specializes a kernel on that.
-    cases = [(name, v[:n]) for name, v in (("exp_avg", x), ("exp_avg_sq", x.abs())) for n in (4 * block, x.numel())]
-    for name, values in cases:
-        signed, sqrt = quant8.MOMENT_FORMATS[name]
-        expected, t = values.clone(), values.to(device, copy=True)
-        quant8.narrow_in_place(expected, signed, sqrt)
-        codes, scale_bytes = quant8._codes_and_scales(t)
-        scales = torch.empty(-(-t.numel() // block), device=device)
-        quant8_narrow(t.view(-1), codes, scales, quant8._search_guide(signed, device), sqrt, block, module)
-        scale_bytes.copy_(scales.view(torch.uint8))
-        _same(name + " codes", expected.view(torch.uint8)[: t.numel()], codes.cpu())
-        _same(
-            name + " scales",
-            expected.view(torch.uint8)[t.numel() : quant8.stored_nbytes(t.numel())].clone(),
-            scales.cpu(),
-        )
-        quant8.widen_in_place(expected, signed, sqrt)
-        quant8_widen(t.view(-1), codes, scales, quant8._tables(signed, device)[0], sqrt, block, module)
-        _same(name + " values", expected, t.cpu())
-    for length in (3 * block, 3 * block + 5):
-        main = torch.linspace(-4, 4, length, device=cpu)
-        bits = main.view(torch.int32)
-        bits[::7] = (bits[::7] & ~0xFFFF) | 0x18000  # exact ties with an odd high half: exceptions
-        main[3], main[4], main[5] = float("nan"), float("-inf"), 1e-40
-        param = main.bfloat16()
-        expected = main.clone()
-        exceptions = remainder.encode_in_place(expected, param)
-        t, p = main.to(device, copy=True), param.to(device, copy=True)
-        low = remainder.stored_view(t, remainder.STORAGE_DTYPE)
-        index, high = remainder_encode(t.view(-1), p.view(-1), low, remainder._exceptions, module)
-        _same("remainder low bits", remainder.stored_view(expected, remainder.STORAGE_DTYPE), low.cpu())
-        found = torch.cat([index, high.long()])
-        _same("remainder exceptions", torch.cat([exceptions.index, exceptions.high.long()]), found)
-        remainder_widen(t.view(-1), p.view(-1), low, module)
-        put_exceptions(t.view(-1), index, high)
-        _same("remainder mains", main.view(torch.int32), t.cpu().view(torch.int32))  # every bit, NaN's too
-
-
-def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-    """Raise unless ``got`` holds ``expected``'s bytes (fp32 NaNs: any NaN, since their bits differ by device)."""
-    if expected.dtype == torch.uint8 and got.dtype == torch.float32:
-        expected = expected.view(torch.float32)
-    if expected.dtype == torch.float32:
-        nan = torch.isnan(expected)
-        if not torch.equal(nan, torch.isnan(got)):
-            raise RuntimeError(f"self-test: {what}: NaN elsewhere than the reference's")
-        expected, got = expected[~nan].view(torch.int32), got[~nan].view(torch.int32)
-    if not torch.equal(expected, got):
-        raise RuntimeError(f"self-test: {what}: other bytes than the reference's")
 
 
 def applies(t: torch.Tensor) -> bool:

@@ -3,7 +3,7 @@
 Host (:func:`host_budget`), once, at setup: the least of ``MemAvailable`` and the
 room left under every memory limit of this process's cgroup (v2, or v1's memory
 controller) and its ancestors, less the margin, divided among this node's ranks
-(:func:`local_ranks`). Pinned memory is charged to the cgroup, so this is what
+(``memory_probes.local_ranks``). Pinned memory is charged to the cgroup, so this is what
 the host home may pin without the kernel's OOM killer stepping in; host memory
 something else pins later (another offload, a memory saver's backups) must fit
 in the margin.
@@ -23,6 +23,9 @@ through one staging chunk: the step or restore they follow takes that much longe
 What it cannot see: a growth larger than the margin within one step (the
 allocation that fails is the model's own: size the margin for it), and phases
 that did not run before the first step (a checkpoint save, an evaluation).
+
+This module decides; what it reads of the host and the device comes from
+``memory_probes.py``.
 """
 
 from __future__ import annotations
@@ -30,152 +33,20 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
-import socket
 import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from miles_plugins.optimizers.config import AUTO
+from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
-from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER
+from miles_plugins.optimizers.homes import memory_probes
+from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER, Placement
 
 logger = logging.getLogger(__name__)
 
 GB = 1e9
-
-
-def _meminfo_bytes(field: str, path: str = "/proc/meminfo") -> int:
-    with open(path) as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name == field:
-                return int(rest.split()[0]) * 1024  # kB
-    raise OSError(f"{path} has no {field}")
-
-
-def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup (and its ancestors) may still charge before a
-    limit is hit: the least ``limit - (usage - inactive file cache)`` along the path
-    (the kernel reclaims that cache before it kills), under cgroup v2 (``memory.max``,
-    ``memory.current``, ``memory.stat``) or v1's memory controller (mounted at
-    ``root/memory``); None where no limit applies or no memory cgroup is found."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
-    if v1 is not None:
-        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-        return _room_along(os.path.join(root, "memory"), v1, *files)
-    v2 = next((path for hierarchy, controllers, path in lines if hierarchy == "0" and not controllers), None)
-    if v2 is not None:
-        return _room_along(root, v2, "memory.max", "memory.current", "inactive_file")
-    return None
-
-
-def _room_along(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    room = None
-    directory = os.path.join(root, path.lstrip("/"))
-    while True:
-        try:
-            with open(os.path.join(directory, limit_file)) as f:
-                limit = f.read().strip()
-            with open(os.path.join(directory, usage_file)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            limit = "max"
-        # v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages): count it as none.
-        if limit != "max" and int(limit) < 1 << 60:
-            left = max(0, int(limit) - usage + _stat(directory, inactive_key))
-            room = left if room is None else min(room, left)
-        if os.path.normpath(directory) == os.path.normpath(root) or not directory.startswith(root):
-            return room
-        directory = os.path.dirname(directory)
-
-
-def _stat(directory: str, key: str) -> int:
-    """One counter of a cgroup's ``memory.stat`` (0 where it is not there)."""
-    try:
-        with open(os.path.join(directory, "memory.stat")) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-# Launcher variables that give the ranks on this node exactly: torchrun's, and
-# Open MPI mpirun's (which sets no LOCAL_WORLD_SIZE).
-EXACT_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-# Where the node's GPUs are listed (absent in most containers, where only the GPUs
-# this process sees can be counted).
-NODE_GPUS = "/proc/driver/nvidia/gpus"
-
-
-def local_ranks(group: bool = False) -> tuple[int, str]:
-    """Ranks sharing this node's host memory, and what decided the count (for the log).
-
-    ``group``: every rank of an initialized process group is here at once (Megatron's
-    ``attach``), so the ranks that report this host's name are counted, exactly (a
-    collective; it also keeps a rank from pinning before the slowest has measured).
-    Otherwise no collective is safe: torchrun's ``LOCAL_WORLD_SIZE`` or Open MPI's
-    ``OMPI_COMM_WORLD_LOCAL_SIZE``; else, with a process group of several ranks, the
-    larger of Slurm's ``SLURM_NTASKS_PER_NODE`` and one rank per GPU of the node (at
-    most the world); else ``SLURM_NTASKS_PER_NODE``; else 1, this process alone."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if group and world > 1:
-        hosts = [None] * world
-        torch.distributed.all_gather_object(hosts, socket.gethostname())
-        return hosts.count(socket.gethostname()), "ranks on this host in the process group"
-    for variable in EXACT_LOCAL_SIZE_VARIABLES:
-        if count := _count_in(variable):
-            return count, variable
-    slurm = _count_in("SLURM_NTASKS_PER_NODE")
-    if world > 1:
-        # Neither count is exact: Slurm's is 1 in every worker of Ray on Slurm (one
-        # `ray start` per node); the GPUs are the node's only where NODE_GPUS lists them,
-        # elsewhere the ones this process sees, one each under srun. The larger errs
-        # toward a smaller share, never toward ranks that together pin more than the node has.
-        gpus, which = _gpus_on_this_node()
-        if slurm > max(1, gpus):
-            return min(world, slurm), "SLURM_NTASKS_PER_NODE"
-        return min(world, max(1, gpus)), f"one rank per GPU {which}"
-    if slurm:
-        return slurm, "SLURM_NTASKS_PER_NODE"
-    return 1, "one process: no process group, LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE"
-
-
-def _count_in(variable: str) -> int:
-    """The positive count an environment variable holds, else 0 (Slurm may write "8(x2)")."""
-    value = os.environ.get(variable, "").split("(")[0]
-    return int(value) if value.isdigit() else 0
-
-
-def _gpus_on_this_node() -> tuple[int, str]:
-    """The node's GPUs, not the ones this process sees (a launcher may hide the others
-    with ``CUDA_VISIBLE_DEVICES``, as Ray does per actor), and where they were counted;
-    the ones it sees where the node's are not listed."""
-    try:
-        return len(os.listdir(NODE_GPUS)), f"of this node ({NODE_GPUS})"
-    except OSError:
-        return torch.cuda.device_count(), (
-            f"this process sees (no {NODE_GPUS} here: if the launcher hides the node's other GPUs from each rank, "
-            "set LOCAL_WORLD_SIZE)"
-        )
-
-
-def _host_room(available: int | None = None, room: int | None = None) -> tuple[int, int | None, int]:
-    """MemAvailable, the room left under the cgroup's limit (None without one) and the
-    smaller of the two, measured where not given."""
-    available = _meminfo_bytes("MemAvailable") if available is None else available
-    room = cgroup_room() if room is None else room
-    return available, room, available if room is None else min(available, room)
 
 
 def host_budget(
@@ -184,8 +55,8 @@ def host_budget(
     """This rank's share of the host memory pinned state may take, and why (for the log).
     Measured before the ranks are counted: with ``group`` that count is a collective,
     so no rank pins its share before every rank has measured."""
-    available, room, usable = _host_room(available, room)
-    ranks, counted = local_ranks(group)
+    available, room, usable = memory_probes.host_room(available, room)
+    ranks, counted = memory_probes.local_ranks(group)
     budget = max(0, usable - margin_bytes) // ranks
     limit = "no cgroup memory limit" if room is None else f"{room / GB:.1f} GB left under the cgroup's limit"
     why = (
@@ -204,7 +75,7 @@ def check_host_room(nbytes: int, what: str) -> None:
     already lowered MemAvailable, and dividing it again would refuse the last ranks of
     an offload that fits; ranks measuring at the same instant are not counted against
     each other (no collective is safe here)."""
-    available, room, usable = _host_room()
+    available, room, usable = memory_probes.host_room()
     if nbytes > usable:
         limit = "" if room is None else f", {room / GB:.2f} GB left under the cgroup's limit"
         raise StreamIOError(
@@ -218,7 +89,7 @@ def check_host_room(nbytes: int, what: str) -> None:
         )
 
 
-def resolve_host(config, group: bool = False):
+def resolve_host(config: StreamConfig, group: bool = False) -> StreamConfig:
     """``config`` with an ``"auto"`` host budget measured (:func:`host_budget`), logged."""
     if config.host_budget_bytes != AUTO:
         return config
@@ -234,12 +105,13 @@ def setup_gpu_room(device: torch.device, margin_bytes: int, releasable_bytes: in
     margin. Used only where host memory and the disk cannot hold the state (0 off CUDA)."""
     if device.type != "cuda":
         return 0
-    free = CudaMemory(device).limit() - torch.cuda.memory_allocated(device)
+    free = memory_probes.CudaMemory(device).limit() - torch.cuda.memory_allocated(device)
     return max(0, free + releasable_bytes - margin_bytes)
 
 
+@runtime_checkable
 class DeviceMemory(Protocol):
-    """What :class:`AutoGpuBudget` reads of the device (:class:`CudaMemory` on CUDA)."""
+    """What :class:`AutoGpuBudget` reads of the device (``memory_probes.CudaMemory`` on CUDA)."""
 
     def peak(self) -> int:
         """This process's largest reservation since :meth:`new_interval`."""
@@ -257,32 +129,27 @@ class DeviceMemory(Protocol):
         activations' cached ones."""
 
 
-class CudaMemory:
-    """The CUDA caching allocator's view of one device."""
+@runtime_checkable
+class BudgetedStore(Protocol):
+    """What :class:`AutoGpuBudget` reads and calls of each store it serves (a ``StreamingStore``)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if self._fraction is None:
-            logger.warning(
-                "auto GPU budget: this torch has no get_per_process_memory_fraction (torch < 2.6): a cap set "
-                "with set_per_process_memory_fraction is not seen; lower the margin's share yourself"
-            )
+    placed: Placement  # where its buckets live; ``setup_gpu_bytes``: the gpu home's part with no place below
 
-    def peak(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
+    @property
+    def home_bytes(self) -> dict[str, int]:
+        """Stored bytes per home; ``"gpu"``: what the store holds in device memory between steps."""
 
-    def limit(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # the CUDA context, NCCL, other processes
-        capped = int(total * (self._fraction(self.device) if self._fraction else 1.0))
-        return min(capped, total - others)
+    @property
+    def placement(self) -> dict[str, int]:
+        """Buckets per home."""
 
-    def new_interval(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+    def move_to_gpu_home(self, budget: int, home: str) -> tuple[int, bool]:
+        """Move buckets of ``home`` into the gpu home within ``budget`` bytes; the bytes
+        moved, and whether device memory ran out."""
 
-    def release_cache(self) -> None:
-        torch.cuda.empty_cache()
+    def move_from_gpu_home(self, nbytes: int, home: str) -> int:
+        """Give buckets whose place below is ``home`` back to it until ``nbytes`` are freed;
+        the bytes freed."""
 
 
 class AutoGpuBudget:
@@ -313,7 +180,7 @@ class AutoGpuBudget:
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:
         self.margin = margin_bytes
-        self.memory = memory  # None until a store on a CUDA device registers (CudaMemory)
+        self.memory = memory  # None until a store on a CUDA device registers (a CudaMemory)
         self._stores: list[weakref.ref] = []  # a store dropped without close() does not hold the rest up
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # stores that stepped in this process
         self._need = 0
@@ -338,21 +205,20 @@ class AutoGpuBudget:
         return budget
 
     @property
-    def stores(self) -> list:
+    def stores(self) -> list[BudgetedStore]:
         return [store for ref in self._stores if (store := ref()) is not None]
 
-    def register(self, store, device: torch.device) -> None:
+    def register(self, store: BudgetedStore, device: torch.device) -> None:
         self._stores.append(weakref.ref(store))
         self._refill = True  # a store that joins gets its share at the next fill
         if self.memory is None and device.type == "cuda":
-            self.memory = CudaMemory(device)
+            self.memory = memory_probes.CudaMemory(device)
         if self.memory is not None and not self._stepped:
             # The first interval starts at the last registration before any store steps: a peak
             # from before (loading a checkpoint, the model's initialization, the mains an earlier
             # store of the chain wrote out) is no part of what training needs besides the home. The
             # freed blocks go back first: they stay reserved otherwise, and the peak is read from
-            # reserved memory (at 18B, Megatron's DDP build held params, param buffer and grads at
-            # once, 8 bytes per param, and that cache counted as training's need: nothing moved).
+            # reserved memory (a model build's cached blocks would count as training's need).
             self.memory.release_cache()
             self.memory.new_interval()
         if self.memory is None:
@@ -368,7 +234,7 @@ class AutoGpuBudget:
                 self.margin / GB,
             )
 
-    def unregister(self, store) -> None:
+    def unregister(self, store: BudgetedStore) -> None:
         """A store closed; with the last one gone, the device's budget starts over."""
         self._refill = True
         self._stores = [ref for ref in self._stores if ref() not in (None, store)]
@@ -377,14 +243,14 @@ class AutoGpuBudget:
                 if budget is self:
                     del _BUDGETS[key]
 
-    def _home(self, stores: list) -> int:
+    def _home(self, stores: list[BudgetedStore]) -> int:
         return sum(s.home_bytes["gpu"] for s in stores)
 
-    def _read(self, stores: list) -> None:
+    def _read(self, stores: list[BudgetedStore]) -> None:
         """End an interval: what it needed besides the home it held."""
         self._need = max(self._need, self.memory.peak() - self._home(stores))
 
-    def after_step(self, store) -> None:
+    def after_step(self, store: BudgetedStore) -> None:
         self._stepped.add(store)
         stores = self.stores
         # Once per training step, after the chain's last store; while a store that joined
@@ -402,7 +268,7 @@ class AutoGpuBudget:
         finally:
             self.memory.new_interval()
 
-    def offload(self, store, give_back: Callable[[], int]) -> None:
+    def offload(self, store: BudgetedStore, give_back: Callable[[], int]) -> None:
         """``give_back()`` returns ``store``'s home to its places below for an offload (an
         RL rollout wants the GPU); the home is filled again at the restore (:meth:`restored`)."""
         if self.memory is not None:
@@ -415,7 +281,7 @@ class AutoGpuBudget:
                 self.memory.new_interval()
             self._refill_on_restore = True
 
-    def restored(self, store) -> None:
+    def restored(self, store: BudgetedStore) -> None:
         """After the chain's last store is restored: fill, so the steps until the next
         offload run with the home; not before the first fill (no step's need is known
         yet), and not after a rollout of one step (moving the home out and in costs
@@ -441,7 +307,7 @@ class AutoGpuBudget:
         finally:
             self.memory.new_interval()
 
-    def _fill(self, stores: list, free: int) -> None:
+    def _fill(self, stores: list[BudgetedStore], free: int) -> None:
         self.free_at_last_fill = free
         pool = max(0, free - self.margin)
         self.memory.release_cache()
@@ -468,7 +334,7 @@ class AutoGpuBudget:
             moved / GB,
         )
 
-    def _cover(self, stores: list, free: int) -> bool:
+    def _cover(self, stores: list[BudgetedStore], free: int) -> bool:
         """Give buckets back when free fell below the margin; whether it did."""
         deficit = self.margin - free
         if deficit <= self.margin // 8:

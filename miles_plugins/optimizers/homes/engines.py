@@ -7,7 +7,8 @@ staging chunk and CUDA stream, so reads of one bucket and writes of another
 overlap each other and the caller's compute (a step's copies of pinned host
 memory need no thread: they are queued whole on a copy stream per direction; the
 overlap window's, beside training, go through one window thread per direction). A
-submission returns a :class:`Ticket` to wait on.
+submission returns a :class:`TransferTicket` to wait on. Both satisfy
+:class:`~miles_plugins.optimizers.homes.protocols.Engine`.
 
 Host memory for streaming is the staging chunks, whatever the state size (the
 host home adds the state itself, which is its point).
@@ -16,119 +17,80 @@ host home adds the state itself, which is its point).
 from __future__ import annotations
 
 import concurrent.futures
-import errno
+import enum
 import queue
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
+from torch.cuda import Event
 
-from miles_plugins.optimizers.errors import StreamIOTimeout
 from miles_plugins.optimizers.homes.host_memory import HostMemory
+from miles_plugins.optimizers.homes.protocols import DmaHandle, Handle, Transfer
+from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
 
-# One transfer: (byte offset in the bucket, flat uint8 view of a device tensor).
-Transfer = tuple[int, torch.Tensor]
-
-
-# The overlap window's requests of pinned host memory (see PipelinedEngine): about
-# 1.3 ms of copy each at H200 speeds, so the window thread's own host time between
-# two requests (a few tens of microseconds, GIL included) idles the copy engine little.
+# The overlap window's requests of pinned host memory (see PipelinedEngine): long enough
+# that the window thread's own host time between two requests leaves the copy engine
+# busy, short enough that the training's own copies find a place in the queues between
+# two (docs/performance.md, "The window thread", has the timings).
 WINDOW_REQUEST_BYTES = 64 << 20
 
-# How often a wait on queued device copies checks them: a poll, not a blocking
-# synchronize, so that a wait keeps its timeout; a bucket's copies take milliseconds.
-_EVENT_POLL_S = 50e-6
+# A handle's read or write of one chunk: (offset, device tensor, staging chunk or None).
+_Copy = Callable[[int, torch.Tensor, HostMemory | None], None]
 
 
-class Ticket:
-    """Transfers submitted together; ``wait()`` returns when all are done and
-    raises the first failure (after every transfer has stopped touching memory),
-    or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``
-    (or the ``timeout_s`` given to that wait: an abort after a failure waits
-    only for what is left of its own deadline). A transfer is a thread's request
-    (a future) or copies queued on a device stream (a CUDA event recorded after them)."""
+class Direction(enum.IntEnum):
+    """Which way a submission moves bytes; indexes the engine's per-direction threads and streams."""
 
-    def __init__(
-        self,
-        futures: Sequence[concurrent.futures.Future] = (),
-        name: str = "",
-        timeout_s: float | None = None,
-        events: Sequence[torch.cuda.Event] = (),
-    ) -> None:
-        self._futures = list(futures)
-        self._events = list(events)
-        self._count = len(self._futures) + len(self._events)
-        self._name = name
-        self._timeout_s = timeout_s
-
-    def done(self) -> bool:
-        """Whether every transfer has finished (successfully or not); never blocks."""
-        return all(future.done() for future in self._futures) and all(event.query() for event in self._events)
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        timeout_s = self._timeout_s if timeout_s is None else timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        _, pending = concurrent.futures.wait(self._futures, timeout=timeout_s)
-        while self._events and not pending:
-            if self._events[0].query():
-                self._events.pop(0)
-            elif deadline is not None and time.monotonic() >= deadline:
-                pending = self._events
-            else:
-                time.sleep(_EVENT_POLL_S)
-        if pending:
-            raise StreamIOTimeout(
-                f"I/O on {self._name} did not complete within {timeout_s:g} s: {len(pending)} of "
-                f"{self._count} requests still pending (a hung drive, or device work that does not finish?)",
-                self._name,
-                0,
-                errno.ETIMEDOUT,
-            )
-        first = None
-        for future in self._futures:
-            if future.exception() is not None:
-                first = first or future.exception()
-        self._futures.clear()
-        if first is not None:
-            raise first
+    READ = 0  # from the bucket into device tensors
+    WRITE = 1  # from device tensors into the bucket
 
 
-def _chunks(transfers: Sequence[Transfer], chunk: int):
+def _copy_of(handle: Handle, direction: Direction) -> _Copy:
+    return handle.read if direction is Direction.READ else handle.write
+
+
+def _path_of(handle: Handle, direction: Direction) -> str:
+    return handle.read_path if direction is Direction.READ else handle.write_path
+
+
+def _chunks(transfers: Sequence[Transfer], chunk: int) -> Iterator[Transfer]:
     for offset, tensor in transfers:
         for start in range(0, tensor.numel(), chunk):
             yield offset + start, tensor[start : start + chunk]
 
 
-class SyncEngine:
+class _ReadWrite:
+    """An engine's :meth:`read` and :meth:`write` (their contract:
+    :class:`~miles_plugins.optimizers.homes.protocols.Engine`), both served by the
+    subclass's ``_transfer`` with the :class:`Direction`."""
+
+    def read(
+        self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
+    ) -> TransferTicket:
+        return self._transfer(Direction.READ, handle, transfers, ready, beside_training)
+
+    def write(
+        self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
+    ) -> TransferTicket:
+        return self._transfer(Direction.WRITE, handle, transfers, ready, beside_training)
+
+
+class SyncEngine(_ReadWrite):
     """The baseline: each transfer runs now, on the caller's thread and stream
     (so it is ordered after the caller's work without an event), chunk by chunk
-    through one staging buffer (``beside_training`` changes nothing here)."""
+    through one staging buffer."""
 
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
         self.staging = HostMemory(chunk_bytes, pin)
 
-    def read(
-        self,
-        handle,
-        transfers: Sequence[Transfer],
-        ready: torch.cuda.Event | None = None,
-        beside_training: bool = False,
-    ) -> Ticket:
-        for offset, dst in _chunks(transfers, self.staging.nbytes):
-            handle.read(offset, dst, self.staging)
-        return Ticket()
-
-    def write(
-        self,
-        handle,
-        transfers: Sequence[Transfer],
-        ready: torch.cuda.Event | None = None,
-        beside_training: bool = False,
-    ) -> Ticket:
-        for offset, src in _chunks(transfers, self.staging.nbytes):
-            handle.write(offset, src, self.staging)
-        return Ticket()
+    def _transfer(self, direction: Direction, handle: Handle, transfers: Sequence[Transfer], *_) -> TransferTicket:
+        """Every chunk now, in order; ``ready`` and ``beside_training`` (the rest) change nothing here."""
+        copy = _copy_of(handle, direction)
+        for offset, tensor in _chunks(transfers, self.staging.nbytes):
+            copy(offset, tensor, self.staging)
+        return TransferTicket()
 
     def idle_buffer(self) -> HostMemory:
         return self.staging
@@ -198,7 +160,7 @@ class _DaemonPool:
                 thread.join()
 
 
-class PipelinedEngine:
+class PipelinedEngine(_ReadWrite):
     """Reader and writer threads, ``threads`` of each per queue: every chunk is one
     request, so up to ``threads`` reads and ``threads`` writes are in flight at once
     on each queue. A handle's ``io_queue`` (one per state directory; 0 for memory)
@@ -217,18 +179,13 @@ class PipelinedEngine:
     A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging
     inside a step: its transfers are queued whole, as asynchronous copies on one
     copy stream per direction, from the caller's thread; the ticket waits for an
-    event after them. Measured on an H200 (pinned buffers of 768 MiB, reading
-    one while writing another): 45.4-45.8 GB/s each way at once, against
-    43.0-43.7 through the threads. ``beside_training`` (the overlap window's
-    transfers, during forward and backward) sends them instead through one
-    *window thread* per direction, as requests of ``WINDOW_REQUEST_BYTES``, one
-    at a time, leaving the training's own copies a place in the queues at every
-    request and its thread the GIL most of the time. Measured in one call on the
-    H200 (1.15B GPT, resident 1.901 s per iteration): a 3 GiB window 2.154 s this
-    way, against 2.200 through the reader/writer threads (2.206 in another call)
-    and 2.149 queued whole; a whole-state window 1.944, 1.970 through the
-    threads (one run each: not told apart), and queued whole it ran 2.09 in an
-    earlier call (the training's own copies, we believe, waited behind ours).
+    event after them (the copy engines then run both directions at once at full
+    speed, which the threads' chunked copies do not reach). ``beside_training``
+    (the overlap window's transfers, during forward and backward) sends them
+    instead through one *window thread* per direction, as requests of
+    ``WINDOW_REQUEST_BYTES``, one at a time, leaving the training's own copies a
+    place in the queues at every request and its thread the GIL most of the time
+    (docs/performance.md compares the three routings).
 
     Ordering with the caller's stream: ``ready`` is an event the caller records
     after the last work that must come first; each request's copy waits for it
@@ -240,7 +197,14 @@ class PipelinedEngine:
     """
 
     def __init__(
-        self, threads: int, chunk_bytes: int, pin: bool, device: torch.device, timeout_s: float, queues: int = 1
+        self,
+        *,
+        threads: int,
+        chunk_bytes: int,
+        pin: bool,
+        device: torch.device,
+        timeout_s: float,
+        queues: int = 1,
     ) -> None:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -276,64 +240,68 @@ class PipelinedEngine:
                 _DaemonPool(1, "window-write", init_window_thread),
             )
 
-    def _run(self, op, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+    def _run(
+        self,
+        copy: _Copy,
+        offset: int,
+        tensor: torch.Tensor,
+        ready: Event | None,
+    ) -> None:
+        """One request, on a reader, writer or window thread: through its staging chunk,
+        on its stream after ``ready``."""
         local = self._local
         if self._device.type != "cuda":
-            op(offset, tensor, local.staging)
+            copy(offset, tensor, local.staging)
             return
         with torch.cuda.stream(local.stream):
             if ready is not None:
                 local.stream.wait_event(ready)
-            op(offset, tensor, local.staging)
+            copy(offset, tensor, local.staging)
 
-    def read(
+    def _transfer(
         self,
-        handle,
+        direction: Direction,
+        handle: Handle,
         transfers: Sequence[Transfer],
-        ready: torch.cuda.Event | None = None,
-        beside_training: bool = False,
-    ) -> Ticket:
-        return self._transfer(0, handle, transfers, ready, beside_training)
-
-    def write(
-        self,
-        handle,
-        transfers: Sequence[Transfer],
-        ready: torch.cuda.Event | None = None,
-        beside_training: bool = False,
-    ) -> Ticket:
-        return self._transfer(1, handle, transfers, ready, beside_training)
-
-    def _transfer(self, direction: int, handle, transfers: Sequence[Transfer], ready, beside_training: bool) -> Ticket:
-        """Route one submission (``direction`` 0 reads, 1 writes): pinned host memory on
-        CUDA to the copy stream, or beside training to the window thread; the rest to
-        the handle's reader or writer threads."""
-        op, path = (handle.read, handle.read_path) if direction == 0 else (handle.write, handle.write_path)
+        ready: Event | None,
+        beside_training: bool,
+    ) -> TransferTicket:
+        """Route one submission: pinned host memory on CUDA to the copy stream, or beside
+        training to the window thread; the rest to the handle's reader or writer threads."""
+        path = _path_of(handle, direction)
         if handle.dma and self._copy_streams:
             if beside_training:
                 pool = self._window_threads[direction]
-                return self._submit(pool, op, handle, path, transfers, ready, WINDOW_REQUEST_BYTES)
-            queue_copy = handle.read_async if direction == 0 else handle.write_async
+                return self._submit(pool, handle, direction, transfers, ready, WINDOW_REQUEST_BYTES)
+            dma = cast(DmaHandle, handle)
+            queue_copy = dma.read_async if direction is Direction.READ else dma.write_async
             return self._queue_copies(self._copy_streams[direction], queue_copy, path, transfers, ready)
         pool = (self._readers, self._writers)[direction][handle.io_queue]
-        return self._submit(pool, op, handle, path, transfers, ready, self.chunk_bytes)
+        return self._submit(pool, handle, direction, transfers, ready, self.chunk_bytes)
 
     def _submit(
-        self, pool: _DaemonPool, op, handle, path: str, transfers: Sequence[Transfer], ready, chunk_bytes: int
-    ) -> Ticket:
+        self,
+        pool: _DaemonPool,
+        handle: Handle,
+        direction: Direction,
+        transfers: Sequence[Transfer],
+        ready: Event | None,
+        chunk_bytes: int,
+    ) -> TransferTicket:
+        """Each chunk of ``transfers`` as one request to ``pool``'s threads; a handle
+        ``on_caller_stream`` copies each tensor now instead."""
+        copy = _copy_of(handle, direction)
         if handle.on_caller_stream:
             # Copies on the caller's stream (the gpu home's buffers, on the device or, after
-            # to_host, in host memory): one per tensor (chunks exist for staging, which these skip;
-            # a 1.14B gpu home's step queued 1632 copies, then 408; its fp32 tensors now share
-            # the home's bytes instead, see Pipeline._share, and only compact forms copy).
+            # to_host, in host memory): one per tensor, as chunks exist for staging, which these skip.
             for offset, tensor in transfers:
-                op(offset, tensor, None)
-            return Ticket()
+                copy(offset, tensor, None)
+            return TransferTicket()
         futures: list[concurrent.futures.Future] = []
         try:
             for offset, tensor in _chunks(transfers, chunk_bytes):
-                futures.append(pool.submit(self._run, op, offset, tensor, ready))
-            return Ticket(futures, path, self.timeout_s)
+                futures.append(pool.submit(self._run, copy, offset, tensor, ready))
+            return TransferTicket(futures=futures, name=_path_of(handle, direction), timeout_s=self.timeout_s)
         except BaseException:
             # No ticket reaches the caller, who releases the tensors now: requests not yet
             # started are cancelled, started ones waited for (as _queue_copies does).
@@ -342,7 +310,14 @@ class PipelinedEngine:
             concurrent.futures.wait(futures, timeout=self.timeout_s)
             raise
 
-    def _queue_copies(self, stream, copy, path: str, transfers: Sequence[Transfer], ready) -> Ticket:
+    def _queue_copies(
+        self,
+        stream: torch.cuda.Stream,
+        copy: Callable[[int, torch.Tensor], None],
+        path: str,
+        transfers: Sequence[Transfer],
+        ready: Event | None,
+    ) -> TransferTicket:
         """Queue ``copy(offset, tensor)`` of every transfer on ``stream`` after ``ready``."""
         try:
             with torch.cuda.stream(stream):
@@ -352,7 +327,7 @@ class PipelinedEngine:
                     copy(offset, tensor)
             done = torch.cuda.Event()
             done.record(stream)
-            return Ticket(name=path, timeout_s=self.timeout_s, events=[done])
+            return TransferTicket(name=path, timeout_s=self.timeout_s, events=[done])
         except BaseException:
             # No ticket reaches the caller, who releases the tensors now: nothing queued so far
             # may still touch them (an interrupt between two copies, a CUDA error).

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import ALIGNMENT
 from miles_plugins.optimizers.homes.fs import open_file
+
+# Why a transfer that got no further stopped, as its error says (``done`` of ``total`` bytes).
+_EARLY_END = "end of file after {done} of {total} bytes (file truncated?)"
+_NO_PROGRESS = "no progress after {done} of {total} bytes"
 
 
 def pread_full(fd: int, path: str, offset: int, buffer: memoryview, align: int = 1) -> None:
@@ -22,53 +27,52 @@ def pread_full(fd: int, path: str, offset: int, buffer: memoryview, align: int =
     rest is asked for from the last ``align`` boundary (direct I/O accepts only
     aligned offsets and lengths; a few bytes are then read twice); a read that
     gets no further than the last one is the end of the file."""
-    n = len(buffer)
-    got = 0
-    while got < n:
-        start = got - got % align
-        try:
-            r = os.preadv(fd, [buffer[start:]], offset + start)
-        except OSError as exc:
-            raise StreamIOError(
-                f"read of {path} failed at offset {offset + start}: {exc.strerror}", path, offset + start, exc.errno
-            ) from exc
-        if start + r <= got:
-            raise StreamIOError(
-                f"short read of {path} at offset {offset + got}: end of file after {got} of {n} bytes "
-                "(file truncated?)",
-                path,
-                offset + got,
-            )
-        got = start + r
+    _transfer_full(os.preadv, "read", _EARLY_END, fd, path, offset, buffer, align)
 
 
 def pwrite_full(fd: int, path: str, offset: int, buffer: memoryview, align: int = 1) -> None:
     """Write all of ``buffer`` at ``offset``; an error or no progress raises
     :class:`StreamIOError` naming the file and offset. After a partial write the
     rest goes from the last ``align`` boundary, as in :func:`pread_full`."""
-    n = len(buffer)
-    put = 0
-    while put < n:
-        start = put - put % align
+    _transfer_full(os.pwritev, "write", _NO_PROGRESS, fd, path, offset, buffer, align)
+
+
+def _transfer_full(
+    transfer: Callable[[int, list[memoryview], int], int],
+    verb: str,
+    stalled: str,
+    fd: int,
+    path: str,
+    offset: int,
+    buffer: memoryview,
+    align: int,
+) -> None:
+    """Move all of ``buffer`` with ``transfer`` (``os.preadv`` or ``os.pwritev``),
+    resuming each partial transfer from its last ``align`` boundary; a transfer that
+    gets no further raises, ``stalled`` (formatted with ``done`` and ``total``) saying how."""
+    total = len(buffer)
+    done = 0
+    while done < total:
+        start = done - done % align
         try:
-            w = os.pwritev(fd, [buffer[start:]], offset + start)
+            moved = transfer(fd, [buffer[start:]], offset + start)
         except OSError as exc:
             raise StreamIOError(
-                f"write of {path} failed at offset {offset + start}: {exc.strerror}", path, offset + start, exc.errno
+                f"{verb} of {path} failed at offset {offset + start}: {exc.strerror}", path, offset + start, exc.errno
             ) from exc
-        if start + w <= put:
+        if start + moved <= done:
             raise StreamIOError(
-                f"short write of {path} at offset {offset + put}: no progress after {put} of {n} bytes",
+                f"short {verb} of {path} at offset {offset + done}: {stalled.format(done=done, total=total)}",
                 path,
-                offset + put,
+                offset + done,
             )
-        put = start + w
+        done = start + moved
 
 
 class BlockCrc:
     """The CRC-32 of each ``block_bytes`` block of a byte stream fed in pieces of
     any size (the last block may be shorter); ``block_bytes`` None: one CRC-32 of
-    everything (manifests before per-block checksums)."""
+    everything (what manifests without per-block checksums record)."""
 
     def __init__(self, block_bytes: int | None) -> None:
         self.block_bytes = block_bytes

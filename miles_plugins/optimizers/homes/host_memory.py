@@ -29,8 +29,7 @@ class HostMemory:
     The mapping is left out of forked children (``MADV_DONTFORK``): Linux copies
     the DMA-pinned pages of a private mapping into the child at fork time, so
     every DataLoader worker Megatron forks after setup would otherwise double the
-    host home (measured on an H200 machine: 16 GiB pinned, two forks, 16.2 GiB
-    less available). A child never touches the state; where it forks and execs
+    host home. A child never touches the state; where it forks and execs
     (subprocess), nothing changes."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
@@ -65,6 +64,7 @@ class HostMemory:
         return self._pinned
 
     def release(self) -> None:
+        """Unpin the memory (the mapping itself goes with the last reference to it)."""
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False

@@ -1,26 +1,29 @@
-"""Where each bucket lives between steps: its *home*, and the backing that routes to it.
+"""Where each bucket lives between steps: its *home*, decided from the budgets.
 
 Homes (``config.HOMES``): ``gpu`` (the compute device's memory,
-:class:`~miles_plugins.optimizers.homes.backings.DeviceBacking`), ``host`` (pinned host
-memory, ``HostBacking``) and ``disk`` (two slots of files, ``FileBacking``).
-:func:`assign_homes` fills the GPU budget, then the host budget, from the last
-bucket a step visits backwards; the rest go to the tier. The step walks buckets
-in order, so the disk buckets come first: their reads start with the prefetch
-and stream while they compute, and the buckets at home in memory update at the
-end, once the disk writes have drained (below). An auto GPU budget moves
-buckets between steps (:func:`move_to_device_home`, one home at a time: disk
-buckets from the end of the disk run, then host ones, ``DEVICE_FILL_ORDER``),
-so the disk home stays the run the walk starts with while the gpu and host
-homes may alternate after it.
+:class:`~miles_plugins.optimizers.homes.device_backing.DeviceBacking`), ``host``
+(pinned host memory, ``HostBacking``) and ``disk`` (two slots of files,
+``FileBacking``). :func:`assign_homes` fills the GPU budget, then the host
+budget, from the last bucket a step visits backwards; the rest go to the tier.
+The step walks buckets in order, so the disk buckets come first: their reads
+start with the prefetch and stream while they compute, and the buckets at home
+in memory update at the end, once the disk writes have drained (below). An auto
+GPU budget moves buckets between steps (``device_home_moves.py``, one home at a
+time: disk buckets from the end of the disk run, then host ones,
+:data:`DEVICE_FILL_ORDER`), so the disk home stays the run the walk starts with
+while the gpu and host homes may alternate after it.
+
+This module is the policy: it moves no bytes. The backing that routes each
+bucket to its home's backing is ``placed_backing.PlacedBacking``.
 
 Each home keeps its failure semantics: the disk home writes a step to the spare
 slots and commits at the end; the host and gpu homes write in place, so a step
 that fails after updating one of their buckets cannot be rolled back (the store
-then refuses to step again, as the host tier always has). Before the first
-in-memory bucket is updated the walk waits for every disk write (``Pipeline``'s
-``drain_before``): a failure up to there rolls back as on disk, except in the
-writes an overlap window defers past the step (``store.py``). Stored bytes are
-the same in every home: checkpoints do not depend on placement.
+then refuses to step again). Before the first in-memory bucket is updated the
+walk waits for every disk write (``Pipeline``'s ``drain_before``): a failure up
+to there rolls back as on disk, except in the writes an overlap window defers
+past the step (``store.py``). Stored bytes are the same in every home:
+checkpoints do not depend on placement.
 
 With several state directories, :func:`spread_over_directories` deals the disk
 buckets round robin over those with room; each directory has its own file
@@ -43,7 +46,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -51,12 +54,15 @@ from miles_plugins.optimizers.config import HOMES, StreamConfig
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.backings import FileBacking
-from miles_plugins.optimizers.homes.file_io import BlockCrc
 from miles_plugins.optimizers.homes.fs import format_bytes
-from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.scratch import ScratchDir
 
 logger = logging.getLogger(__name__)
+
+# The homes an auto GPU budget takes buckets from, costliest to stream first: a disk
+# bucket on the device saves a step its drive transfers, a host one only PCIe.
+# Buckets go back in the reverse order.
+DEVICE_FILL_ORDER = ("disk", "host")
 
 
 def assign_homes(buckets: Sequence[BucketLayout], config: StreamConfig) -> tuple[list[str], dict[str, int]]:
@@ -224,7 +230,7 @@ class Placement:
         self.homes[index] = home
 
     def keys(self) -> list[Hashable]:
-        """Each bucket's place, as :class:`PlacedBacking` keys it."""
+        """Each bucket's place, as ``placed_backing.PlacedBacking`` keys it."""
         return [("disk", d) if d is not None else h for h, d in zip(self.homes, self.directory_of, strict=True)]
 
     def counts(self) -> dict[str, int]:
@@ -289,174 +295,3 @@ def _warn_about_shared_filesystems(directories: list[str]) -> None:
                 "give one directory per drive",
                 ", ".join(same),
             )
-
-
-class PlacedBacking:
-    """One backing per place in use (a key: ``"gpu"``, ``"host"``, or
-    ``("disk", i)`` for state directory ``i``), each holding its buckets; every
-    call for a bucket goes to its place's backing. ``build(key, buckets)`` makes
-    a place's backing; if one fails, those built are released."""
-
-    def __init__(
-        self,
-        buckets: Sequence[BucketLayout],
-        keys: Sequence[Hashable],
-        build: Callable[[Hashable, list[BucketLayout]], object],
-    ) -> None:
-        self.keys = list(keys)
-        self.by_key: dict[Hashable, object] = {}
-        self._build = build
-        # A bucket moved to the device keeps its place below (files, host buffer) there.
-        self.below: dict[int, Hashable] = {}
-        try:
-            for key in dict.fromkeys(self.keys):  # in order of first use
-                self.by_key[key] = build(key, [b for b in buckets if self.keys[b.index] == key])
-        except BaseException:
-            self.release()
-            raise
-
-    def _of(self, bucket: BucketLayout):
-        return self.by_key[self.keys[bucket.index]]
-
-    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
-        """Whether the bucket has a spare to fill while its live state stays (disk, two slots)."""
-        return self._of(bucket).keeps_previous_state_of(bucket)
-
-    def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
-        """Whether the bucket's place lends its bytes to tensors on ``device`` (the gpu home)."""
-        return self._of(bucket).lends(bucket, device)
-
-    def file_backing(self, bucket: BucketLayout):
-        """The files of a disk bucket (``FileBacking``)."""
-        return self._of(bucket)
-
-    @property
-    def direct(self) -> bool:
-        """Whether the disk buckets use direct I/O (False with none on disk)."""
-        files = [b for key, b in self.by_key.items() if isinstance(key, tuple)]
-        return bool(files) and all(b.direct for b in files)
-
-    def move_to_device(self, bucket: BucketLayout, staging: HostMemory) -> None:
-        """Copy a bucket's live bytes into new device memory (the ``"gpu"`` place, made
-        if not yet in use) and route it there. Its place below keeps its files or host
-        buffer: :meth:`move_back` needs no memory. On a failure nothing has moved."""
-        device_home = self.by_key.get("gpu")
-        if device_home is None:
-            device_home = self.by_key["gpu"] = self._build("gpu", [])
-        buffer = device_home.add(bucket)
-        try:
-            _copy(self.by_key[self.keys[bucket.index]].open(bucket, in_place=True), buffer, staging, to_buffer=True)
-        except BaseException:
-            device_home.remove(bucket)
-            raise
-        self.below[bucket.index] = self.keys[bucket.index]
-        self.keys[bucket.index] = "gpu"
-
-    def move_back(self, bucket: BucketLayout, staging: HostMemory) -> Hashable:
-        """Copy a bucket :meth:`move_to_device` moved back to its place below, route it
-        there and free its device memory; returns the place. On a failure it stays."""
-        below = self.below[bucket.index]
-        device_home = self.by_key["gpu"]
-        _copy(self.by_key[below].open(bucket, in_place=True), device_home.buffers[bucket.index], staging, False)
-        device_home.remove(bucket)
-        self.keys[bucket.index] = self.below.pop(bucket.index)
-        return below
-
-    def open(self, bucket: BucketLayout, in_place: bool = False):
-        return self._of(bucket).open(bucket, in_place=in_place)
-
-    def commit(self) -> None:
-        for backing in self.by_key.values():
-            backing.commit()
-
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
-        self._of(bucket).export(bucket, dst_fd, dst_path, buffer, crc)
-
-    def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
-        self._of(bucket).restore(bucket, src_fd, src_path, buffer, crc)
-
-    def release(self) -> None:
-        for backing in self.by_key.values():
-            backing.release()
-
-
-# The homes an auto GPU budget takes buckets from, costliest to stream first: a disk
-# bucket on the device saves a step its drive transfers, a host one only PCIe.
-# Buckets go back in the reverse order.
-DEVICE_FILL_ORDER = ("disk", "host")
-
-
-def _check_home(home: str) -> None:
-    if home not in DEVICE_FILL_ORDER:
-        raise ValueError(f"a bucket moves between the gpu home and one of {DEVICE_FILL_ORDER}, not {home!r}")
-
-
-def move_to_device_home(
-    placed: Placement,
-    backing: PlacedBacking,
-    buckets: Sequence[BucketLayout],
-    budget: int,
-    staging: HostMemory,
-    home: str,
-) -> tuple[int, bool]:
-    """Move buckets of ``home`` into the ``gpu`` home while their stored sizes fit
-    ``budget``, from the last one a step visits backwards (what stays in ``home`` is
-    still the run it was: the disk home the one the walk starts with), up to the
-    first that does not fit. Returns the bytes moved and whether a move failed: a
-    bucket whose device memory cannot be had stops it, with a warning (a step never
-    fails for it), and the caller should try no more moves until the next fill."""
-    _check_home(home)
-    moved = 0
-    for bucket in [b for b in reversed(buckets) if placed.homes[b.index] == home]:
-        if bucket.file_size > budget - moved:
-            break
-        try:
-            backing.move_to_device(bucket, staging)
-        except Exception as exc:
-            logger.warning(
-                "auto GPU budget: bucket %d stays where it is, and no more move this time: %s", bucket.index, exc
-            )
-            return moved, True
-        placed.move(bucket.index, "gpu")
-        moved += bucket.file_size
-    return moved, False
-
-
-def move_from_device_home(
-    placed: Placement,
-    backing: PlacedBacking,
-    buckets: Sequence[BucketLayout],
-    nbytes: int,
-    staging: HostMemory,
-    home: str,
-) -> int:
-    """Give buckets of the ``gpu`` home whose place below is ``home`` back to it, first
-    visited first (``home`` grows as the run it was), until ``nbytes`` are freed or
-    none are left; returns the bytes freed."""
-    _check_home(home)
-    freed = 0
-    for bucket in [b for b in buckets if placed.homes[b.index] == "gpu"]:
-        if freed >= nbytes:
-            break
-        below = backing.below.get(bucket.index)  # None: placed on the device at setup, nothing below
-        if below is None or (below == "host") != (home == "host"):  # disk places are ("disk", i)
-            continue
-        try:
-            backing.move_back(bucket, staging)
-        except Exception as exc:
-            logger.warning("auto GPU budget: bucket %d stays on the device: %s", bucket.index, exc)
-            break
-        placed.move(bucket.index, home)
-        freed += bucket.file_size
-    return freed
-
-
-def _copy(handle, buffer: torch.Tensor, staging: HostMemory, to_buffer: bool) -> None:
-    """A whole bucket between an open handle (its live bytes) and ``buffer``, in
-    chunks of the staging buffer (aligned, as direct I/O needs)."""
-    try:
-        for start in range(0, buffer.numel(), staging.nbytes):
-            chunk = buffer[start : start + staging.nbytes]
-            (handle.read if to_buffer else handle.write)(start, chunk, staging)
-    finally:
-        handle.close()

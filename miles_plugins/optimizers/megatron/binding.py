@@ -69,7 +69,7 @@ import torch
 
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
-from miles_plugins.optimizers.homes import auto_budget
+from miles_plugins.optimizers.homes import auto_budget, memory_probes
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
 from miles_plugins.optimizers.megatron import overrides
 from miles_plugins.optimizers.megatron.chain import chained_distributed_optimizers, check_supported, check_upstream
@@ -79,7 +79,7 @@ from miles_plugins.optimizers.megatron.shard_map import MegatronEntry, ShardMap,
 from miles_plugins.optimizers.megatron.topology import topology
 from miles_plugins.optimizers.step.adam import backend_for, bind_master
 from miles_plugins.optimizers.step.entries import StepStats
-from miles_plugins.optimizers.store import StreamingStore
+from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
     # The node's ranks share --offload-train-disk-dir and set up at once: each plans its disk
     # buckets with its share of the free space (a collective too, before any refusal).
     if config.tier == "disk":
-        config = dataclasses.replace(config, drive_ranks=auto_budget.local_ranks(group=True)[0])
+        config = dataclasses.replace(config, drive_ranks=memory_probes.local_ranks(group=True)[0])
         if config.drive_ranks > 1:
             logger.info("the state directories' free space is shared by %d ranks on this node", config.drive_ranks)
     members = chained_distributed_optimizers(optimizer)

@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes.auto_budget import check_host_room
-from miles_plugins.optimizers.homes.backings import DeviceBacking
-from miles_plugins.optimizers.homes.placement import (
-    DEVICE_FILL_ORDER,
-    PlacedBacking,
-    Placement,
-    move_from_device_home,
-    move_to_device_home,
-)
+from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget, check_host_room
+from miles_plugins.optimizers.homes.device_backing import DeviceBacking
+from miles_plugins.optimizers.homes.device_home_moves import move_from_device_home, move_to_device_home
+from miles_plugins.optimizers.homes.placed_backing import PlacedBacking
+from miles_plugins.optimizers.homes.placement import DEVICE_FILL_ORDER, Placement
 from miles_plugins.optimizers.step.pipeline import Pipeline
 from miles_plugins.optimizers.step.rollback import first_written_in_place
+
+if TYPE_CHECKING:
+    from miles_plugins.optimizers.homes.protocols import Engine
 
 
 class GpuHome:
@@ -36,10 +36,11 @@ class GpuHome:
 
     def __init__(
         self,
+        *,
         placed: Placement,
         backing: PlacedBacking,
         buckets: Sequence[BucketLayout],
-        engine,
+        engine: Engine,
         pipeline: Pipeline,
         device: torch.device,
         settle: Callable[[], None],
@@ -70,8 +71,9 @@ class GpuHome:
         self._pipeline.drain_before = first_written_in_place(self._buckets, self._placed)
         return done
 
-    def offload(self, store, auto_gpu) -> None:
-        """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None."""
+    def offload(self, store: object, auto_gpu: AutoGpuBudget | None) -> None:
+        """``StreamingStore.offload_device_home``; ``auto_gpu`` the store's budget or None
+        (which knows the store as ``store``)."""
         backing = self.backing
         if backing is not None:
             # What will be pinned: under an auto budget only the buckets placed on the device

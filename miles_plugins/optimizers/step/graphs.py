@@ -1,20 +1,17 @@
 """CUDA graphs of a bucket's conversions (``codec.py``), replayed once its tensors'
 addresses repeat.
 
-Why: the fused codec is bound by the host, not the device. Converting 4 layers of a
-7.6B GPT issues some 540 Triton launches and 2500 tensor views (about 55 ms of host
-time on the H200's host) for 23 ms of device work. A graph replays a bucket's
+Why: the fused codec is bound by the host's launches, not by the device: a bucket's
+conversions issue hundreds of Triton launches and thousands of tensor views for
+little device work (docs/design.md gives the figures). A graph replays a bucket's
 launches in one call.
 
 A graph bakes in every address it touches, and the store materializes a bucket's fp32
 tensors from the caching allocator at every step. So a graph is keyed by those
 addresses (and what each tensor's conversion is), and captured when a bucket's
 tensors are where they were at its last eager conversion. Where the caching
-allocator repeats itself from step to step, every bucket then replays (measured:
-the store's own steps at 7.7B, without a forward and backward between them, where
-the graphs were captured in the third and fourth steps; in whole iterations of
-Megatron's ``pretrain_gpt.py`` at 1.15B, 44 of a step's 46 conversions replayed
-from the third; ``StepStats`` counts each step's replays and eager runs). Where a bucket's tensors
+allocator repeats itself from step to step, every bucket then replays
+(``StepStats`` counts each step's replays and eager runs). Where a bucket's tensors
 moved, it converts eagerly; once the new addresses repeat, its graph is captured
 again. At most one graph per bucket and direction.
 
@@ -26,10 +23,10 @@ from host memory, are put eagerly.
 Memory: a codec's graphs share one private pool of the caching allocator (they
 replay one after another on the stream of the step). A capture allocates there what
 the eager conversion would (its scratch, all freed within the capture), so the pool
-holds about one bucket's conversion scratch (24 MiB measured at 7.6B) for as long as
-any of them is held: reserved, not allocated, memory. :meth:`BucketGraphs.release`
-drops them (the store's ``close`` and ``offload_device_home``); the next capture
-takes a new pool (torch refuses to capture into one whose last graph is gone).
+holds about one bucket's conversion scratch for as long as any of them is held:
+reserved, not allocated, memory. :meth:`BucketGraphs.release` drops them (the
+store's ``close`` and ``offload_device_home``); the next capture takes a new pool
+(torch refuses to capture into one whose last graph is gone).
 
 A capture that fails raises, and so does every later conversion of the process:
 torch leaves its allocator and the device's random generator mid-capture then (later

@@ -5,7 +5,7 @@ during forward and backward instead of inside the step.
 A step leaves the writes of :meth:`OverlapWindow.deferred` buckets to the pipeline's
 ``land()``; between steps :meth:`OverlapWindow.read_ahead` reads the next step's
 first buckets into the room the landed ones left (``Pipeline.prefetch`` keeps the
-order: never a bucket still landing). The store owns the failures (``store.py``).
+order: never a bucket still landing). The store owns the failures (``store/between_steps.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class OverlapWindow:
     """The overlap window of one store: ``window_bytes`` of materialized state (0: none)."""
 
     def __init__(
-        self, window_bytes: int, buckets: Sequence[BucketLayout], placed: Placement, pipeline: Pipeline
+        self, *, window_bytes: int, buckets: Sequence[BucketLayout], placed: Placement, pipeline: Pipeline
     ) -> None:
         self.window_bytes = window_bytes
         self._buckets, self._placed, self._pipeline = buckets, placed, pipeline

@@ -16,7 +16,7 @@ pipeline drains every disk write before the first of them, ``drain_before``), so
 a failure before them still rolls back. After one of them was updated, or with
 remainder mains, or while transfers hang, the store refuses to step again.
 
-An overlap window's deferred writes (``store.py``) run after the step returned:
+An overlap window's deferred writes (``step/overlap.py``) run after the step returned:
 a failure of one cannot roll anything back either, and the store refuses too.
 A step that fails after its walk drops its own deferred writes before rolling back.
 """
@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.placement import Placement
 from miles_plugins.optimizers.step.entries import EntryFn
-from miles_plugins.optimizers.step.pipeline import Flight, Pipeline
+from miles_plugins.optimizers.step.flight import Flight
+from miles_plugins.optimizers.step.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,11 @@ class StepRollback:
 
     def __init__(
         self,
+        *,
         step_number: int,
         pipeline: Pipeline,
         placed: Placement,
         copy_to_model: EntryFn,
-        *,
         remainder_mains: bool,
     ) -> None:
         self._step_number = step_number

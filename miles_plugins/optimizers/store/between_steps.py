@@ -1,0 +1,94 @@
+"""What a store moves between its steps, and how it settles before its stored state
+is touched outside a step.
+
+Between steps the pipeline may hold buckets read ahead for the next step
+(``prefetch``) and, with an overlap window, the last step's deferred writes still
+landing (``progress`` moves both along). Saves, loads, refreshes, the gpu home's
+moves and reading the state back first *settle*: every deferred write landed,
+every prefetched read dropped, the store still usable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from miles_plugins.optimizers.config import StreamConfig
+from miles_plugins.optimizers.step.pipeline import LandingError
+from miles_plugins.optimizers.store.health import StoreHealth
+from miles_plugins.optimizers.store.parts import StoreParts
+
+
+class BetweenSteps:
+    """The transfers of one store between its steps.
+
+    Args:
+        parts: the store's (its pipeline and overlap window).
+        health: the store's; a failure or a hang found here damages it.
+        config: the store's (``pipelined``, ``overlap_bytes``).
+        steps_taken: the store's step count, which a failed deferred write names.
+    """
+
+    def __init__(
+        self,
+        *,
+        parts: StoreParts,
+        health: StoreHealth,
+        config: StreamConfig,
+        steps_taken: Callable[[], int],
+    ) -> None:
+        self._pipeline, self._window, self._health = parts.pipeline, parts.window, health
+        self._config, self._steps_taken = config, steps_taken
+
+    def land(self, block: bool = False) -> None:
+        """Move the deferred writes along (``Pipeline.land``); a failure leaves the store refusing."""
+        if not self._pipeline.landing:
+            return
+        try:
+            self._pipeline.land(block)
+        except LandingError as exc:
+            raise self._health.late_failure(exc, self._steps_taken()) from exc.__cause__
+
+    def prefetch(self) -> None:
+        """``StreamingStore.prefetch``."""
+        self._health.check_open()
+        if self._config.pipelined:
+            self.land()  # reads stop before a bucket still landing; the step waits for it
+            try:
+                self._pipeline.prefetch(self._config.overlap_bytes)
+            finally:
+                self._health.note_hang()
+
+    def progress(self) -> None:
+        """``StreamingStore.progress``."""
+        # Nothing while a CUDA graph is captured; a damaged store was reported when found,
+        # and step and save refuse it: forward passes (evaluation too) go on meanwhile.
+        if not self._config.overlap_bytes or not self._health.usable or _capturing():
+            return
+        self._health.check_open()
+        self.land()
+        try:
+            self._window.read_ahead()
+        finally:
+            self._health.note_hang()
+
+    def drop_prefetch(self) -> None:
+        """``StreamingStore.drop_prefetch``."""
+        if not self._health.closed:
+            try:
+                self._pipeline.drop_prefetch()
+            finally:
+                self._health.note_hang()
+
+    def settle(self) -> None:
+        """Before touching the stored state outside a step: forget prefetched reads
+        (they may hang: the store then refuses), and check the store may go on."""
+        self._health.check_open()
+        self.land(block=True)
+        self.drop_prefetch()
+        self._health.check_open()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
