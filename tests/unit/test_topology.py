@@ -172,3 +172,65 @@ def test_online_resume_at_other_layouts_mixed_with_dp_in_a_world_of_four():
     ]
     with tempfile.TemporaryDirectory() as tmp:
         _check(spawn(4, resume_cases, tmp, cases))
+
+
+def offline_cases(tmp: str, cases: list) -> dict:
+    """Per case (name, saved layout, the layouts ``ckpt reshard`` rewrites it for in
+    turn, config): at each, what differs from the saved state after the new layout's
+    ranks load the rewritten stores, and which stores a run there loads as its own."""
+    from miles_plugins.optimizers.checkpoint.cli import reshard_command
+    from miles_plugins.optimizers.checkpoint.manifest import differences as manifest_differences
+
+    results = {}
+    for name, saved, layouts, config, _ in cases:
+        source = f"{tmp}/{name}/ckpt0"
+        before = _trained(saved, f"{tmp}/{name}/a", config, source)
+        steps = []
+        for i, layout in enumerate(layouts, 1):
+            out = f"{tmp}/{name}/iter_{i:07d}"
+            if torch.distributed.get_rank() == 0:
+                status = reshard_command(source, None, out, (layout.tp, layout.pp, layout.ep))
+            torch.distributed.barrier()
+            source = f"{out}/streamed_optimizer_state"
+            world = _loaded(layout, f"{tmp}/{name}/b{i}", config, source, before)
+            own = [
+                not manifest_differences(
+                    Manifest.read(f"{source}/{b.store.config.name}").data, b.store._parts.persistence.description
+                )
+                for b in world.bindings
+            ]
+            after = global_state(world)
+            world.close()
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, own)
+            steps.append(
+                {
+                    "layout": str(layout),
+                    "status": status if torch.distributed.get_rank() == 0 else None,
+                    "loaded": differences(before, after),
+                    "uncovered": _uncovered(after),
+                    "own": all(o for rank in everyone for o in rank),
+                }
+            )
+        results[name] = steps
+    return results
+
+
+def test_offline_round_trips_to_other_tp_pp_and_ep_sizes_mixed_with_dp():
+    """``ckpt reshard --tp/--pp/--ep`` in a world of four: every step's stores load at
+    their layout byte-identical to the original state, as each rank's own store. One
+    exception, loaded through the online reshard instead: a save of one stage with a
+    tied embedding records no copy of it for the last stage of PP 2."""
+    cases = [
+        ("tp2-tp1-tp4", Layout(tp=2), [Layout(tp=1), Layout(tp=4)], {**CAP, "main_storage": "remainder"}, True),
+        ("pp2-pp1-tied", Layout(pp=2, tied=True), [Layout(pp=1, tied=True)], CAP, True),
+        ("ep2-ep1-ep4", Layout(ep=2), [Layout(ep=1), Layout(ep=4)], CAP, True),
+        ("tp2pp2-tp1-ddp-buckets", Layout(tp=2, pp=2, ddp_bucket=600), [Layout(ddp_bucket=600)], CAP, True),
+        ("pp1-pp2-tied", Layout(pp=1, tied=True), [Layout(pp=2, tied=True)], CAP, False),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(4, offline_cases, tmp, cases)
+    for name, _, _, _, own in cases:
+        for step in results[name]:
+            assert step["status"] == 0 and not step["loaded"] and not step["uncovered"], (name, step)
+            assert step["own"] == own, (name, step["layout"], "loaded as its own" if step["own"] else "resharded")

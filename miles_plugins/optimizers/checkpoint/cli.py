@@ -1,10 +1,12 @@
 """Operator's commands for saved streamed optimizer state; no GPU, no live store.
 
     python -m miles_plugins.optimizers.ckpt inspect DIR
-    python -m miles_plugins.optimizers.ckpt reshard DIR --dp N --out NEW_ITER_DIR
+    python -m miles_plugins.optimizers.ckpt reshard DIR [--tp T] [--pp P] [--ep E] [--dp N] --out NEW_ITER_DIR
 
-``reshard`` rewrites the state for ``N`` data-parallel ranks
-(``reshard_offline.py``), verifying every block it reads; exit status 1 on any
+``reshard`` rewrites the state for ``N`` data-parallel ranks at TP, PP and EP
+sizes ``T``, ``P`` and ``E`` (each the saved size when not given; ``N`` the
+saved world size over ``T x P`` when not given; ``reshard_offline.py``),
+verifying every block it reads; exit status 1 on any
 problem with the checkpoint or the output (nothing is left in ``--out`` then),
 2 on bad usage, 130 on Ctrl-C and 143 on SIGTERM (the partial output removed).
 
@@ -63,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         "the directory given to StreamedOptimizer.save_to, or one saved store",
     )
     reshard_parser = commands.add_parser(
-        "reshard", help="rewrite the saved state under DIR for another data-parallel size, into --out"
+        "reshard", help="rewrite the saved state under DIR for another parallel layout, into --out"
     )
     reshard_parser.add_argument("dir", metavar="DIR")
-    reshard_parser.add_argument("--dp", type=int, required=True, help="the new data-parallel size")
+    reshard_parser.add_argument("--dp", type=int, help="the new data-parallel size (default: the saved world kept)")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert")):
+        reshard_parser.add_argument(flag, type=int, help=f"the new {what}-parallel size (default: the saved one)")
     reshard_parser.add_argument(
         "--out",
         required=True,
@@ -77,9 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.dir} is not a directory")
     if args.command == "inspect":
         return inspect(args.dir)
-    if args.dp < 1:
-        parser.error(f"--dp {args.dp}: it must be at least 1")
-    return reshard_command(args.dir, args.dp, args.out)
+    sizes = {"--dp": args.dp, "--tp": args.tp, "--pp": args.pp, "--ep": args.ep}
+    for flag, size in sizes.items():
+        if size is not None and size < 1:
+            parser.error(f"{flag} {size}: it must be at least 1")
+    if all(size is None for size in sizes.values()):
+        parser.error("give the new layout: --dp, --tp, --pp and/or --ep")
+    return reshard_command(args.dir, args.dp, args.out, (args.tp, args.pp, args.ep))
 
 
 # ---- inspect ---------------------------------------------------------------------
@@ -131,8 +139,11 @@ def _inspect_store(name: str, path: str, recorded: CrossStoreCheck) -> bool:
 # ---- reshard ---------------------------------------------------------------------
 
 
-def reshard_command(directory: str, dp: int, out: str) -> int:
-    """``ckpt reshard DIR --dp N --out OUT``: the exit status (see the module docstring)."""
+def reshard_command(
+    directory: str, dp: int | None, out: str, layout: tuple[int | None, int | None, int | None] = (None, None, None)
+) -> int:
+    """``ckpt reshard DIR [--tp T --pp P --ep E] [--dp N] --out OUT``: the exit status (see
+    the module docstring); ``layout``: the new TP, PP and EP sizes (None: the saved one)."""
     if not out.strip():
         print("cannot reshard: --out is empty: give the new checkpoint's iteration directory", file=sys.stderr)
         return 2
@@ -148,7 +159,8 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
     start = time.perf_counter()
     with _sigterm_unwinds():
         try:
-            reshard(_stores_to_reshard(directory, out, out_dir), dp, out_dir, log=lambda line: print(line, flush=True))
+            stores = _stores_to_reshard(directory, out, out_dir)
+            world = reshard(stores, dp, out_dir, log=lambda line: print(line, flush=True), layout=layout)
         except (NotAStateDir, CheckpointMismatchError, StreamIOError, OSError) as exc:
             print(f"cannot reshard {directory}: {exc}", file=sys.stderr)
             return 1
@@ -159,7 +171,7 @@ def reshard_command(directory: str, dp: int, out: str) -> int:
             )
             print(f"reshard {what}: {done}", file=sys.stderr)
             return 143 if isinstance(exc, _Terminated) else 130
-    print(f"wrote {dp} rank(s) of streamed optimizer state to {out_dir} in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {world} rank(s) of streamed optimizer state to {out_dir} in {time.perf_counter() - start:.1f} s")
     return 0
 
 

@@ -68,10 +68,14 @@ class ReshardedLoad:
 
     Construction plans every copy and checks the peers' files (presence, sizes,
     layouts) without reading them; :attr:`steps` is the saved step count.
+    ``by_key``: match entries by key and global box (default: where the peers were
+    saved at other TP, PP or EP sizes than the target's).
     """
 
-    def __init__(self, target: ReshardTarget, peers: Sequence[Peer]) -> None:
+    def __init__(self, target: ReshardTarget, peers: Sequence[Peer], by_key: bool | None = None) -> None:
         self.target, self.peers = target, list(peers)
+        # Entries matched by key and global box (another TP/PP/EP layout), or by param name.
+        self.by_key = by_keys(self.peers, target.description) if by_key is None else by_key
         live = target.description
         self.live_pieces = [
             [Piece(n, s, numel) for (n, s, _), numel in zip(pieces, b.numels, strict=True)]
@@ -103,7 +107,7 @@ class ReshardedLoad:
         if len(steps) != 1:
             problems.append(f"the saved stores hold the state after different steps: {sorted(steps)}")
         try:
-            if by_keys(self.peers, self.target.description):
+            if self.by_key:
                 self.copies, self.resident_copies = self._plan_by_keys(sources, resident_sources)
             else:
                 self.copies = [plan(pieces, sources) for pieces in self.live_pieces]

@@ -1,19 +1,25 @@
-"""``ckpt reshard``: rewrite a saved streamed state for another data-parallel size, offline.
+"""``ckpt reshard``: rewrite a saved streamed state for another parallel layout, offline.
 
-For each optimizer of the chain (``.opt<i>``), the saves are checked for what
-an offline reshard needs (:func:`_check_saves`), each new rank's store is
-planned as Megatron shards at the new size (``reshard_targets``), then filled
-from the saves and written (``reshard_output``) into a partial directory that
-is renamed into place when complete.
+The saves are checked for what an offline reshard needs (:func:`_check_saves`),
+each new rank's store is planned as Megatron would build it at the new sizes
+(``reshard_targets``), then filled from the saves and written
+(``reshard_output``) into a partial directory that is renamed into place when
+complete.
+
+Another data-parallel size of a world of data parallelism alone is planned from
+each optimizer's recorded DDP layout and read by param name. Any other layout
+(other TP, PP or EP sizes, or another DP size beside them) is planned from the
+model the saves record (``reshard_model``, ``reshard_layout``: stores named by
+global rank in Megatron's rank order) and read by key and global box from every
+save of the checkpoint; it needs saves that record their params' keys and boxes
+(format 4).
 
 A store written here that does not match what a run builds (another bucket
 cap, another DDP bucket size: Megatron's default grows with DP above 40, which
-is warned about; a Megatron whose padding differs) still loads: that run
-reshards it again at startup. Host memory: one new entry's segment at a time
-(plus its fp32 values for 8-bit moments), as in a resharded load. Only a world
-of data parallelism alone can be rewritten (the new stores are named by global
-rank, which equals the DP rank only without TP, PP or EP); elsewhere resume at
-the new size directly.
+is warned about; a Megatron whose padding or param order differs; a tied
+embedding's copy the last stage keeps at PP > 1 when the save had one stage)
+still loads: that run reshards it again at startup. Host memory: one new entry's
+segment at a time (plus its fp32 values for 8-bit moments), as in a resharded load.
 """
 
 from __future__ import annotations
@@ -22,9 +28,15 @@ import os
 from collections.abc import Callable, Sequence
 
 from miles_plugins.optimizers.checkpoint.manifest import Manifest, differences, removed_moment_dtype
+from miles_plugins.optimizers.checkpoint.reshard_layout import Sizes
 from miles_plugins.optimizers.checkpoint.reshard_output import OutputDirectory, write_store
-from miles_plugins.optimizers.checkpoint.reshard_peers import Peer, chain_position
-from miles_plugins.optimizers.checkpoint.reshard_targets import NewStore, default_ddp_bucket_size, new_store
+from miles_plugins.optimizers.checkpoint.reshard_peers import Peer, chain_position, layout_sizes
+from miles_plugins.optimizers.checkpoint.reshard_targets import (
+    NewStore,
+    default_ddp_bucket_size,
+    layout_stores,
+    new_store,
+)
 from miles_plugins.optimizers.config import MOMENT_DTYPES
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 
@@ -33,41 +45,63 @@ from miles_plugins.optimizers.errors import CheckpointMismatchError
 _MANIFEST_ALLOWANCE = 1 << 20
 
 
-def reshard(stores: list[tuple[str, str]], dp: int, out_dir: str, log: Callable[[str], None] = print) -> None:
-    """Write the saved ``stores`` ((name, directory) pairs: one checkpoint's) as
-    ``dp`` ranks' stores in ``out_dir``, which must not exist: everything goes to
-    ``<out_dir>.partial`` first and is renamed into place at the end, so a failure
-    leaves no half-written state. ``<out_dir>.lock`` is held meanwhile: a second
-    reshard into the same place is refused (a partial left by one that died is
-    removed). Raises :class:`CheckpointMismatchError` naming what keeps the
-    checkpoint from it, :class:`StreamIOError` for the output."""
+def reshard(
+    stores: list[tuple[str, str]],
+    dp: int | None,
+    out_dir: str,
+    log: Callable[[str], None] = print,
+    layout: tuple[int | None, int | None, int | None] = (None, None, None),
+) -> int:
+    """Write the saved ``stores`` ((name, directory) pairs: one checkpoint's) as the
+    stores of ``dp`` data-parallel ranks at TP, PP and EP sizes ``layout`` (None: the
+    saved size; ``dp`` None: the saved world size kept) in ``out_dir``, which must
+    not exist: everything goes to ``<out_dir>.partial`` first and is renamed into
+    place at the end, so a failure leaves no half-written state. ``<out_dir>.lock``
+    is held meanwhile: a second reshard into the same place is refused (a partial
+    left by one that died is removed). Returns the new world size. Raises
+    :class:`CheckpointMismatchError` naming what keeps the checkpoint from it,
+    :class:`StreamIOError` for the output."""
     if os.path.lexists(out_dir):
         raise CheckpointMismatchError(f"{out_dir} exists already: give a new directory")
     by_optimizer = _saves_by_optimizer(stores)
-    _warn_if_the_default_bucket_size_changes(next(iter(by_optimizer.values()))[0].data, dp, log)
+    first = next(iter(by_optimizer.values()))[0].data
+    saved = [(first.get("topology") or {}).get(k) for k in ("tp_size", "pp_size", "ep_size")]
+    wanted = [w if w is not None else (s or 1) for w, s in zip(layout, saved, strict=True)]
+    by_key = wanted != [1, 1, 1] or not all(_data_parallel_alone(p) for p in by_optimizer.values())
+    for position, peers in sorted(by_optimizer.items()):
+        _check_saves(position, peers, by_key)
+    if by_key:
+        sources = [p for peers in by_optimizer.values() for p in peers if p.data["topology"]["optimizer_instance"] == 0]
+        world = first["topology"]["world_size"]
+        sizes = Sizes(*wanted, dp if dp is not None else world // (wanted[0] * wanted[1]))
+        planned = [(sources, store) for store in layout_stores(sources, sizes)]
+        dp, world = sizes.dp, sizes.world
+    else:
+        if dp is None:
+            raise CheckpointMismatchError("give the new data-parallel size (--dp), or other TP, PP or EP sizes")
+        planned = [
+            (peers, new_store(f"rank{rank}.{position}", peers, dp, rank))
+            for position, peers in sorted(by_optimizer.items())
+            for rank in range(dp)
+        ]
+        world = dp
+    _warn_if_the_default_bucket_size_changes(first, dp, log)
     # Every new store's layout first (no I/O): what the output needs on its drive.
-    planned = [
-        (peers, new_store(f"rank{rank}.{position}", peers, dp, rank))
-        for position, peers in sorted(by_optimizer.items())
-        for rank in range(dp)
-    ]
     with OutputDirectory(out_dir, log) as output:
         output.prepare(_bytes_needed([store for _, store in planned]))
         for peers, store in planned:
-            steps = write_store(store, os.path.join(output.partial, store.name), peers)
+            steps = write_store(store, os.path.join(output.partial, store.name), peers, by_key)
             elements = sum(b.numel for b in store.buckets)
             log(f"{store.name}: {len(store.buckets)} bucket(s), {elements:,} streamed elements, step {steps}")
         output.publish()
+    return world
 
 
 def _saves_by_optimizer(stores: list[tuple[str, str]]) -> dict[str, list[Peer]]:
-    """The saved stores of each optimizer of the chain (``opt<i>`` -> its ranks'
-    saves), each optimizer's checked (:func:`_check_saves`)."""
+    """The saved stores of each optimizer of the chain (``opt<i>`` -> its ranks' saves)."""
     by_optimizer: dict[str, list[Peer]] = {}
     for name, directory in stores:
-        by_optimizer.setdefault(chain_position(name), []).append(Peer(directory, Manifest.read(directory)))
-    for position, peers in sorted(by_optimizer.items()):
-        _check_saves(position, peers)
+        by_optimizer.setdefault(chain_position(name), []).append(Peer(directory, Manifest.read(directory), name))
     return by_optimizer
 
 
@@ -91,11 +125,12 @@ def _warn_if_the_default_bucket_size_changes(saved: dict, dp: int, log: Callable
         )
 
 
-def _check_saves(position: str, peers: list[Peer]) -> None:
+def _check_saves(position: str, peers: list[Peer], by_key: bool) -> None:
     """Refuse, naming every reason, the saves of optimizer ``position`` that an
     offline reshard cannot rewrite: saves that differ in more than their sharding,
-    an unknown moment format, no recorded topology, param ranges or DDP layout,
-    parallelism other than data parallelism, or a saved rank missing."""
+    an unknown moment format, no recorded topology, param ranges or DDP layout; by
+    param name (``by_key`` False): a saved rank missing; by key and box: no
+    recorded keys and boxes."""
     first = peers[0].data
     peers_of = (first.get("topology") or {}).get("shard_peers")
     problems = []
@@ -117,24 +152,24 @@ def _check_saves(position: str, peers: list[Peer]) -> None:
         problems.append("it was saved before checkpoints recorded param ranges (format 3)")
     elif any(p.data.get("param_layout") is None for p in peers):
         problems.append("its saves record no DDP bucket layout (not a Megatron DistributedOptimizer's state)")
-    elif not _data_parallel_alone(peers_of, peers):
-        sizes = ", ".join(
-            f"{k} {v}" for k, v in sorted({**peers_of, **first["topology"]}.items()) if k.endswith("_size")
-        )
+    elif by_key and any(not (p.data.get("param_facts") or {}).get("params") for p in peers):
+        sizes = ", ".join(f"{k} {v}" for k, v in sorted(layout_sizes(first).items()) if v is not None)
         problems.append(
-            f"it was saved with {sizes}: new stores are named by global rank, known here only for data "
-            "parallelism alone; resume at the new size directly (the load reshards)"
+            f"it was saved with {sizes} by a version (or from a model) that did not record each param's key and "
+            "global boxes (format 4): it is rewritten only for another DP size of data parallelism alone, and loads "
+            "only at its own TP, PP and EP sizes (at any DP size: resume there directly)"
         )
-    if not problems:
+    if not problems and not by_key:
         problems += _missing_ranks(position, peers)
     if problems:
         raise CheckpointMismatchError(f"cannot reshard the {position} stores offline: " + "; ".join(problems))
 
 
-def _data_parallel_alone(shard_peers: dict, peers: list[Peer]) -> bool:
+def _data_parallel_alone(peers: list[Peer]) -> bool:
     """Whether the saves' TP, PP and EP sizes are 1 and every world is its DP group."""
-    return all(v == 1 for k, v in shard_peers.items() if k.endswith("_size")) and all(
-        p.data["topology"].get("world_size", p.data["topology"].get("dp_size")) == p.data["topology"].get("dp_size")
+    return all(
+        all(v == 1 for v in layout_sizes(p.data).values() if v is not None)
+        and p.data["topology"].get("world_size", p.data["topology"].get("dp_size")) == p.data["topology"].get("dp_size")
         for p in peers
     )
 

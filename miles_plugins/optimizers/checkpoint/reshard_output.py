@@ -43,9 +43,10 @@ from miles_plugins.optimizers.homes.locks import lock_writer, unlock_file
 STAGING_BYTES = 16 << 20
 
 
-def write_store(store: NewStore, directory: str, peers: Sequence[Peer]) -> int:
+def write_store(store: NewStore, directory: str, peers: Sequence[Peer], by_key: bool = False) -> int:
     """Write ``store`` into ``directory`` (made here) from one optimizer's saves
-    ``peers``: its bucket files, resident moments and manifest, each fsynced, the
+    ``peers`` (``by_key``: from every save of the checkpoint, matched by key and
+    global box): its bucket files, resident moments and manifest, each fsynced, the
     manifest last. Returns the step count of the state written."""
     make_private_dir(directory)
     # The file handles write straight from the bytes they are given: the staging
@@ -58,7 +59,7 @@ def write_store(store: NewStore, directory: str, peers: Sequence[Peer]) -> int:
         backing=_NewBucketFiles(directory),
         buffer=lambda: staging,
     )
-    load = ReshardedLoad(target, peers)
+    load = ReshardedLoad(target, peers, by_key)
     load.write_buckets(store.buckets, write=True)
     resident_state = load.resident_state() if store.resident_numels else None
     if resident_state is not None:

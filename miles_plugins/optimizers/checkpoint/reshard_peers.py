@@ -111,10 +111,14 @@ def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
             f"cannot reshard the streamed optimizer state from {', '.join(p.directory for p in unfit)}: "
             + "; ".join(differences(unfit[0].data, live, sharding=False))
         )
-    if peers:
+    if peers and _names(live) <= set().union(*(_names(p.data) for p in peers)):
         return peers
-    if any(_at_other_sizes(peer.data, live) for peer in saved):
+    if any(_at_other_sizes(peer.data, live) for peer in saved) or (peers and _facts_everywhere(saved, live)):
+        # Other sizes, or params the same sizes' saves do not name (e.g. a rewrite that could not
+        # rebuild a tied embedding's copy): by key and box from every save.
         return _keyed_peers(base_dir, saved, live)
+    if peers:
+        return peers  # their plan names the params no save holds
     if without_ranges:
         listed = ", ".join(without_ranges[:4]) + (" ..." if len(without_ranges) > 4 else "")
         raise CheckpointMismatchError(
@@ -123,6 +127,18 @@ def find_peers(base_dir: str, name: str, live: dict) -> list[Peer]:
             f"saved at. Resume at that size, or {START_FRESH}"
         )
     return []
+
+
+def _names(data: dict) -> set[str]:
+    """The params a store's (or a manifest's) entries hold ranges of."""
+    pieces = [p for bucket in data.get("pieces") or [] for p in bucket] + list(data.get("resident_pieces") or [])
+    return {name for name, _, _ in pieces}
+
+
+def _facts_everywhere(saved: list[Peer], live: dict) -> bool:
+    return bool((live.get("param_facts") or {}).get("params")) and all(
+        (p.data.get("param_facts") or {}).get("params") for p in saved
+    )
 
 
 def _saved_stores(base_dir: str) -> list[Peer]:
