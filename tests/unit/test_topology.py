@@ -163,6 +163,60 @@ def test_online_resume_at_other_tp_pp_and_ep_sizes_of_a_world_of_two():
         _check(spawn(2, resume_cases, tmp, cases))
 
 
+def refusals(tmp: str) -> dict:
+    """What a load at TP 1 of a TP 2 save answers: from a model of other keys, with a
+    saved rank's store missing, and from saves whose records lack the keys and boxes
+    (as format 3 wrote them); and what ``ckpt reshard --tp 1`` answers to those."""
+    import pathlib
+    import shutil
+
+    from miles_plugins.optimizers.checkpoint.cli import reshard_command
+    from miles_plugins.optimizers.errors import CheckpointMismatchError
+    from tests.unit.test_checkpoint import rewrite_manifest
+
+    ckpt = pathlib.Path(tmp, "ckpt")
+    _trained(Layout(tp=2), f"{tmp}/a", CAP, str(ckpt))
+    rank = torch.distributed.get_rank()
+
+    def refusal(layout: Layout) -> str:
+        world = build(layout, f"{tmp}/b", **CAP)
+        try:
+            world.bindings[0].store.load_from(str(ckpt), expected_steps=STEPS)
+            return "loaded"
+        except CheckpointMismatchError as exc:
+            return str(exc)
+        finally:
+            world.close()
+
+    out = {"other model": refusal(Layout(tp=1, moe=False))}
+    if rank == 0:
+        shutil.move(ckpt / "rank1.opt0", pathlib.Path(tmp, "aside"))
+    torch.distributed.barrier()
+    out["store missing"] = refusal(Layout(tp=1))
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.move(pathlib.Path(tmp, "aside"), ckpt / "rank1.opt0")
+        for store in ckpt.iterdir():
+            rewrite_manifest(store / "manifest.json", lambda d: d.update(format_version=3, param_facts=None))
+        out["offline"] = reshard_command(str(ckpt), None, f"{tmp}/iter_0000002", (1, None, None))
+    torch.distributed.barrier()
+    out["without records"] = refusal(Layout(tp=1))
+    return out
+
+
+def test_refusals_of_another_model_a_missing_store_and_records_without_keys_are_one_line():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = spawn(2, refusals, tmp)
+    for what in ("other model", "store missing", "without records"):
+        assert out[what] != "loaded" and "\n" not in out[what], (what, out[what])
+    assert "no saved store holds key" in out["other model"], out["other model"]
+    assert "--no-load-optim" in out["other model"]
+    assert "a saved rank's store is missing" in out["store missing"]
+    assert "record(s) no param keys and global boxes" in out["without records"]
+    assert "it loads only at the TP, PP and EP sizes it was saved at" in out["without records"]
+    assert out["offline"] == 1
+
+
 def test_online_resume_at_other_layouts_mixed_with_dp_in_a_world_of_four():
     cases = [
         ("tp2dp2-to-tp1dp4-remainder", Layout(tp=2), Layout(tp=1), {**CAP, "main_storage": "remainder"}),

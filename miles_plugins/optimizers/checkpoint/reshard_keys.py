@@ -125,7 +125,7 @@ class SavedBoxes:
             return None
         saved = self.keys.get(box.key)
         if saved is None:
-            return f"no saved store holds key {box.key!r} (param {target.key}): the checkpoint is of another model ({START_FRESH})"
+            return f"no saved store holds key {box.key!r} (param {target.key}): the checkpoint is of another model: load it into that model, or {START_FRESH}"
         limit = _shared_shape(box, saved, mismatch_ok)
         if isinstance(limit, str):
             return limit
@@ -181,7 +181,7 @@ def _shared_shape(box: Box, saved: _SavedKey, mismatch_ok: bool) -> tuple[int, .
     """The local-axis extents both global shapes hold (None: the shapes are equal), or
     the problem of a key whose shape differs where it may not."""
     if box.prepend != saved.prepend or len(box.global_shape) != len(saved.global_shape):
-        return f"key {box.key!r} is laid out differently in the checkpoint: it is of another model ({START_FRESH})"
+        return f"key {box.key!r} is laid out differently in the checkpoint: it is of another model: load it into that model, or {START_FRESH}"
     if box.global_shape == saved.global_shape:
         return None
     if (
@@ -190,7 +190,7 @@ def _shared_shape(box: Box, saved: _SavedKey, mismatch_ok: bool) -> tuple[int, .
     ):
         return (
             f"key {box.key!r} has global shape {list(saved.global_shape)} in the checkpoint and "
-            f"{list(box.global_shape)} in this run: it is of another model ({START_FRESH})"
+            f"{list(box.global_shape)} in this run: it is of another model: load it into that model, or {START_FRESH}"
         )
     return tuple(
         min(a, b) for a, b in zip(box.global_shape[box.prepend :], saved.global_shape[box.prepend :], strict=True)

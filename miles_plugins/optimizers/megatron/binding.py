@@ -49,7 +49,8 @@ optimizer of the same class (``fp32_param_moments``).
 
 The parts: the overrides themselves (``overrides.py``), where each main shard sits
 in Megatron's buffers (``shard_map.py``), the state dicts (``state_dict.py``), the
-recorded topology (``topology.py``), which optimizers of a chain stream and the
+recorded topology (``topology.py``) and each param's place in Megatron's checkpoint
+tensors (``param_facts.py``), which optimizers of a chain stream and the
 checks (``chain.py``), and the deferred build of the mains (``deferred_mains.py``).
 
 Reproduced upstream code is marked with its provenance: NVIDIA/Megatron-LM tag
