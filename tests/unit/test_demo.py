@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.unit.test_bad_input import REPO
+from tests.helpers import REPO
 
 
 def _demo(*args, cwd=REPO):
