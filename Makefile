@@ -19,12 +19,17 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 demo: venv
 	$(PY) -m miles_plugins.demo $(DEMO_ARGS)
 
+# The suite runs on every core, up to 8 (pytest-xdist workers, one torch thread each);
+# TEST_WORKERS=0 runs it in one process, TEST_WORKERS=N on N workers.
+TEST_WORKERS ?= auto
+PARALLEL := -n $(TEST_WORKERS) --maxprocesses 8 --dist worksteal
+
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PARALLEL) tests
 
 # The failure scenarios (also part of `make test`), with their report table.
 faults: venv
-	$(PY) -m pytest -q -m fault --fault-report tests/unit
+	$(PY) -m pytest -q $(PARALLEL) -m fault --fault-report tests/unit
 
 # The GPU tier, on a CUDA machine with megatron-core importable: it runs with that
 # machine's own torch (no venv), e.g. PYTHONPATH=/tmp/site for a carried wheel.
