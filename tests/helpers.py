@@ -44,19 +44,24 @@ def start(module: str, *args: str) -> subprocess.Popen:
     )
 
 
+def run_main(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module args...`` run as the module's ``main`` in this process, read as the
+    command would be: exit status (argparse's usage errors exit), stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            returncode = importlib.import_module(module).main(list(args))
+        except SystemExit as exit_:
+            returncode = exit_.code
+    return subprocess.CompletedProcess([module, *args], returncode, out.getvalue(), err.getvalue())
+
+
 CKPT_MODULE = "miles_plugins.optimizers.ckpt"
 
 
 def ckpt_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m miles_plugins.optimizers.ckpt args...`` run as its ``main`` in this process,
-    read as the command would be (exit status, stdout, stderr); argparse's usage errors exit."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            returncode = importlib.import_module(CKPT_MODULE).main(list(args))
-        except SystemExit as exit_:
-            returncode = exit_.code
-    return subprocess.CompletedProcess(["ckpt", *args], returncode, out.getvalue(), err.getvalue())
+    """``python -m miles_plugins.optimizers.ckpt args...``, in this process (:func:`run_main`)."""
+    return run_main(CKPT_MODULE, *args)
 
 
 # ---- streamed runs of the reference's model ------------------------------------------
