@@ -19,8 +19,13 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 demo: venv
 	$(PY) -m miles_plugins.demo $(DEMO_ARGS)
 
+# The suite runs on every core, up to 8 (pytest-xdist workers, one torch thread each);
+# TEST_WORKERS=0 runs it in one process, TEST_WORKERS=N on N workers.
+TEST_WORKERS ?= auto
+PARALLEL := -n $(TEST_WORKERS) --maxprocesses 8 --dist worksteal
+
 test: venv
-	$(PY) -m pytest -q -m "not topology" tests
+	$(PY) -m pytest -q $(PARALLEL) -m "not topology" tests
 
 # Resume at other TP, PP and EP sizes with real megatron-core on spawned CPU ranks (slow: each
 # world imports megatron-core once per rank), online and through `ckpt reshard`.
@@ -29,7 +34,7 @@ test-topology: venv
 
 # The failure scenarios (also part of `make test`), with their report table.
 faults: venv
-	$(PY) -m pytest -q -m fault --fault-report tests/unit
+	$(PY) -m pytest -q $(PARALLEL) -m fault --fault-report tests/unit
 
 # The fused codec kernels run by Triton's interpreter on the CPU: their bytes against the
 # reference, and their self-test against planted bugs. Triton (CPU use only) goes into
@@ -87,7 +92,7 @@ bench-checkpoint: venv
 	$(PY) -m bench.checkpoint_save $(BENCH_ARGS)
 
 # How moment storage formats train (CPU, about a minute): bench/moment_formats.py. The
-# GPU counterpart, a real Megatron GPT for 300 steps, is tests/gpu/moment_training.py.
+# GPU counterpart, a real Megatron GPT for 300 steps, is tests/gpu/harness/moment_training.py.
 bench-moments: venv
 	$(PY) -m bench.moment_formats $(BENCH_ARGS)
 

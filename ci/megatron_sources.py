@@ -7,6 +7,7 @@ the command line. Nothing of Megatron is kept in this repository.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import subprocess
 import sys
@@ -28,28 +29,18 @@ class SourceError(RuntimeError):
 def wheel_file(version: str, cache: Path = CACHE) -> Path:
     """The megatron-core wheel of ``version``, downloaded once into ``cache``."""
     pattern = str(cache / f"megatron_core-{version}-*.whl")
-    found = glob.glob(pattern)
-    if not found:
-        cache.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                *WHEEL_TAGS,
-                f"megatron-core=={version}",
-                "-d",
-                str(cache),
-            ],
-            capture_output=True,
-            text=True,
-        )
+    cache.mkdir(parents=True, exist_ok=True)
+    # One process at a time (test workers, a matrix run): another could find a wheel half written.
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         found = glob.glob(pattern)
-        if result.returncode != 0 or not found:
-            raise SourceError(f"pip could not download megatron-core=={version}: {result.stderr.strip()[-500:]}")
+        if not found:
+            command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *WHEEL_TAGS]
+            command += [f"megatron-core=={version}", "-d", str(cache)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            found = glob.glob(pattern)
+            if result.returncode != 0 or not found:
+                raise SourceError(f"pip could not download megatron-core=={version}: {result.stderr.strip()[-500:]}")
     return Path(found[0])
 
 

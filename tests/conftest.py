@@ -5,8 +5,9 @@ import subprocess
 import pytest
 import torch
 
-# Rows of the fault report (`make faults`): one per fault scenario that passed.
-FAULT_ROWS = pytest.StashKey[list]()
+# A fault scenario's row of the report (`make faults`) travels with its test's report, as
+# this user property, to where results are gathered: this process, or xdist's controller.
+FAULT_ROW = "fault report row"
 
 
 def pytest_addoption(parser):
@@ -14,7 +15,13 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.stash[FAULT_ROWS] = []
+    if hasattr(config, "workerinput"):
+        # An xdist worker (`make test` runs one per core): one thread for torch here and in
+        # the processes its tests start, so that workers do not contend for the cores.
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    else:
+        config.pluginmanager.register(FaultReport(), "fault-report")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,34 +45,54 @@ def deterministic_cuda():
 @pytest.fixture
 def fault_report(request):
     """``fault_report(scenario, expected, observed, data_lost)``: a row of the fault
-    report. Call it last in the test, so only a scenario that held is reported."""
+    report. Call it last in the test: a row is reported only if its test passes."""
 
     tmp = str(request.getfixturevalue("tmp_path")) if "tmp_path" in request.fixturenames else None
 
     def record(scenario: str, expected: str, observed: str, data_lost: str) -> None:
-        rows = request.config.stash[FAULT_ROWS]
-        # Each row names one scenario: two of one name read as one scenario printed twice.
-        assert scenario not in (row[0] for row in rows), f"fault scenario {scenario!r} reported twice"
         if tmp:
             observed = observed.replace(tmp, "<tmp>")
-        rows.append((scenario, expected, observed, data_lost))
+        order = request.session.items.index(request.node)  # the table follows the tests' order
+        request.node.user_properties.append((FAULT_ROW, [order, scenario, expected, observed, data_lost]))
 
     return record
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not config.getoption("--fault-report"):
-        return
-    rows = config.stash[FAULT_ROWS]
-    failed = [r.nodeid for r in terminalreporter.stats.get("failed", [])]
-    write = terminalreporter.write_line
-    write("")
-    write("| scenario | expected | observed | data lost |")
-    write("|---|---|---|---|")
-    for row in rows:
-        write("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in row) + " |")
-    for nodeid in failed:
-        write(f"| FAILED: {nodeid} | | | |")
+class FaultReport:
+    """Gathers the rows of the fault scenarios that passed and, with ``--fault-report``,
+    prints their table. A scenario reported by two tests fails the later one: each row
+    names one scenario, and two of one name would read as one scenario printed twice."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[int, list[str]]] = {}  # scenario -> (order, row)
+        self.reported_by: dict[str, str] = {}
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal counts the report
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call" or not report.passed:
+            return
+        for name, (order, scenario, *cells) in report.user_properties:
+            if name != FAULT_ROW:
+                continue
+            if scenario in self.rows:
+                report.outcome = "failed"
+                report.longrepr = f"fault scenario {scenario!r} reported twice: also by {self.reported_by[scenario]}"
+                return
+            self.rows[scenario] = (order, [scenario, *cells])
+            self.reported_by[scenario] = report.nodeid
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        if not config.getoption("--fault-report"):
+            return
+        failed = [r.nodeid for r in terminalreporter.stats.get("failed", [])]
+        write = terminalreporter.write_line
+        write("")
+        write("| scenario | expected | observed | data lost |")
+        write("|---|---|---|---|")
+        for _, row in sorted(self.rows.values(), key=lambda order_and_row: order_and_row[0]):
+            write("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in row) + " |")
+        for nodeid in failed:
+            write(f"| FAILED: {nodeid} | | | |")
 
 
 @pytest.fixture

@@ -43,7 +43,8 @@ def work(tmp_path_factory):
 
 def phase(work: Path, name: str, nproc: int = 1, ckpt_format: str = "torch_dist", *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-    cmd += ["-m", "tests.gpu.checkpoint_tier", "--phase", name, "--work", str(work), "--format", ckpt_format, *extra]
+    cmd += ["-m", "tests.gpu.harness.checkpoint_tier", "--phase", name, "--work", str(work)]
+    cmd += ["--format", ckpt_format, *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"phase {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -91,7 +92,7 @@ def test_the_resident_reference_resumes_as_if_never_stopped(work, reference, tmp
     """The two-GPU test's reference, trusted only if it is right where the answer is known:
     Megatron's resident save and load (with checkpoint_tier._resident_load's workarounds)
     at DP=1, then K steps, byte-identical to the uninterrupted resident run."""
-    from tests.gpu.megatron_tier import all_same
+    from tests.gpu.harness.megatron_tier import all_same
 
     phase(tmp_path, "reshard-save", 1, "torch_dist", "--mode", "resident")
     phase(tmp_path, "reshard-resume", 1, "torch_dist", "--mode", "resident")
@@ -111,7 +112,7 @@ def test_a_streamed_checkpoint_resumes_at_another_dp_size_as_megatrons_own_does(
     are byte-identical. (Not --dist-ckpt-optim-fully-reshardable: core 0.19.2 cannot load that
     into torch Adam, KeyError 'step'; checkpoint_tier._resident_load says what the reference
     works around where apex and TE are absent.)"""
-    from tests.gpu.megatron_tier import all_same
+    from tests.gpu.harness.megatron_tier import all_same
 
     for mode in ("resident", "streamed"):
         extra = ("--mode", mode, *(("--moe",) if moe else ()))
@@ -135,7 +136,7 @@ def test_a_state_rewritten_offline_for_dp2_resumes_at_dp1_as_if_never_stopped(wo
     uninterrupted resident run: K steps after the resume, params, mains, moments and
     losses are byte-identical to it. (That the rewritten DP=2 layout is the one a live
     DP=2 run builds is shown on the CPU by test_reshard_load, and by the two-GPU test.)"""
-    from tests.gpu.megatron_tier import all_same
+    from tests.gpu.harness.megatron_tier import all_same
 
     extra = ("--mode", "streamed", *(("--moe",) if moe else ()))
     if moe:

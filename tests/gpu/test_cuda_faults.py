@@ -13,8 +13,8 @@ import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer, StreamIOError
 from tests.faults import FaultPlan
+from tests.helpers import all_three_homes
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run, schedule
-from tests.unit.test_placement import _all_three_homes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 
@@ -42,7 +42,7 @@ def test_a_disk_write_failing_during_a_step_on_cuda_loses_only_that_step(tmp_pat
     if homes == "gpu_host_disk":
         # More buckets in flight than there are disk buckets: only the drain before the
         # first in-memory update keeps their writes ahead of it (with 3, reading ahead does).
-        config = {**_all_three_homes(), "buckets_in_flight": 8}
+        config = {**all_three_homes(), "buckets_in_flight": 8}
     model = Net(torch.bfloat16).to(DEVICE)
     optimizer = torch.optim.AdamW(groups(model))
     streamed = StreamedOptimizer(optimizer, StreamConfig(directory=str(scratch), engine=engine, **config))

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from bench.harness import mem_available
+from tests.helpers import BF16_MAIN_TOLERANCE, STEPS, streamed_run
 from tests.unit.reference import assert_same_training, reference_run, same_bytes
-from tests.unit.test_bit_identity import STEPS, streamed_run
-from tests.unit.test_moment_dtypes import BF16_MAIN_TOLERANCE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic_cuda")]
 

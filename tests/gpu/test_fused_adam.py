@@ -12,8 +12,8 @@ import importlib
 
 import pytest
 
+from tests.helpers import STEPS, streamed_run
 from tests.unit.reference import assert_same_training, reference_run, same_bytes
-from tests.unit.test_bit_identity import STEPS, streamed_run
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """GPU tier for the Megatron binding: a real GPT under DistributedOptimizer, resident vs streamed.
 
-Each case launches ``tests/gpu/megatron_tier.py`` under torchrun (a fresh process
+Each case launches ``tests/gpu/harness/megatron_tier.py`` under torchrun (a fresh process
 group per case) and checks its JSON summary. Needs CUDA and megatron-core; the
 two-GPU cases need two GPUs (``nvidia-h200-x2`` on the GPU machine).
 """
@@ -49,7 +49,7 @@ def summaries(tmp_path_factory):
         if (nproc, moe, ep) not in cache:
             out = tmp_path_factory.mktemp("tier") / "summary.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-            cmd += ["-m", "tests.gpu.megatron_tier", "--out", str(out), "--steps", str(STEPS)]
+            cmd += ["-m", "tests.gpu.harness.megatron_tier", "--out", str(out), "--steps", str(STEPS)]
             cmd += ["--dir", str(out.parent), "--ep", str(ep)] + (["--moe"] if moe else [])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)

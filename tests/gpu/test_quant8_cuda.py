@@ -84,7 +84,7 @@ def test_8bit_moments_train_megatron_within_1_percent_of_fp32_over_300_steps(tmp
     pytest.importorskip("megatron.core")
     out = tmp_path / "moment_training.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone"]
-    cmd += ["-m", "tests.gpu.moment_training", "--steps", "300", "--out", str(out), "--dir", str(tmp_path)]
+    cmd += ["-m", "tests.gpu.harness.moment_training", "--steps", "300", "--out", str(out), "--dir", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

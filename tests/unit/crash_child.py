@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from tests.faults import FaultPlan
+from tests.helpers import SAVE_AT, save_run, train
 from tests.unit.reference import loss_fn
-from tests.unit.test_checkpoint import SAVE_AT, save_run, train
 
 
 def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tests.faults import FaultPlan
-from tests.unit.test_checkpoint import fresh, train
+from tests.helpers import fresh, train
 
 
 def main() -> None:

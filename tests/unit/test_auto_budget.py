@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,62 +22,8 @@ from miles_plugins.optimizers.homes import auto_budget, memory_probes
 from miles_plugins.optimizers.homes.auto_budget import host_budget
 from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.memory_probes import cgroup_room
+from tests.helpers import CAP, REPO, SAVE_AT, STEPS, GiB, SimulatedDevice, fresh, resume, state_of, train
 from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, state_of, train
-
-REPO = Path(__file__).resolve().parents[2]
-CAP = 500  # elements per bucket: six buckets of the test model
-GiB = 1 << 30
-
-
-class SimulatedDevice:
-    """What ``CudaMemory`` reads from the CUDA allocator, modelled as it behaves: a
-    device of ``total`` bytes on which a forward/backward uses the activity plus what
-    ``held()`` says the gpu home keeps there; the allocator keeps what it reserved
-    (cached) until :meth:`release_cache`, and :meth:`new_interval` restarts the peak
-    from what is reserved then, cache included, as ``reset_peak_memory_stats`` does."""
-
-    def __init__(self, headroom: int, activity: int = 10 * GiB) -> None:
-        self.total, self.activity = activity + headroom, activity
-        self.held = lambda: 0
-        self.step = lambda: 0  # what a step uses beside the home, where it sets the peak (steps_set_the_peak)
-        self._reserved = self._peak = activity
-
-    def steps_set_the_peak(self, store) -> None:
-        """From now on ``store``'s steps use the activity (grads, Adam's temporaries: what
-        forward and backward leave) plus its buckets in flight: the ``depth`` largest, each
-        its fp32 state, but a bucket of the gpu home only its converted segments (its fp32
-        ones share the home's bytes: ``Pipeline._share``)."""
-
-        def step() -> int:
-            homes = store.placed.homes
-            sizes = [b.converted_bytes if homes[b.index] == "gpu" else b.materialized_bytes for b in store.buckets]
-            return self.activity + sum(sorted(sizes, reverse=True)[: store.config.depth])
-
-        self.step = step
-
-    def peak(self) -> int:
-        # The interval's forward/backward, or its step where that uses more.
-        self._reserved = max(self._reserved, max(self.activity, self.step()) + self.held())
-        self._peak = max(self._peak, self._reserved)
-        return self._peak
-
-    def record(self) -> None:
-        """The allocator records a peak as it happens (a transient between readings)."""
-        self.peak()
-
-    def limit(self) -> int:
-        return self.total
-
-    def new_interval(self) -> None:
-        self._peak = self._reserved
-
-    def release_cache(self) -> None:
-        self._reserved = self.held()  # only what is in use stays reserved
-
-    def grow(self, nbytes: int) -> None:
-        """The forward/backward peak grew (a larger batch), or shrank (negative)."""
-        self.activity += nbytes
 
 
 @pytest.fixture(autouse=True)

@@ -16,17 +16,11 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOptimizer, StreamIOError
 from miles_plugins.optimizers.homes.backings import FileHandle
 from miles_plugins.optimizers.homes.host_memory import HostMemory
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO, wrap
 
 
 def _bf16_model():
     return torch.nn.Linear(64, 64).to(torch.bfloat16)
-
-
-def _wrap(directory, model=None, **kw):
-    model = model or _bf16_model()
-    return StreamedOptimizer(torch.optim.AdamW(model.parameters()), StreamConfig(directory=str(directory), **kw))
 
 
 @pytest.mark.parametrize("name", ["fp64", "bfloat16", "", "FP32"])
@@ -57,7 +51,7 @@ def test_directory_under_a_file_cannot_be_created(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(StreamConfigError, match="cannot create state directory .* not a directory"):
-        _wrap(blocker / "state")
+        wrap(blocker / "state")
     assert blocker.read_text() == "x"
 
 
@@ -113,7 +107,7 @@ def test_tmpfs_directory_works_with_a_warning(caplog):
         pytest.skip("/dev/shm is not tmpfs here")
     model = _bf16_model()
     with caplog.at_level(logging.WARNING):
-        streamed = _wrap(f"/dev/shm/miles-test-{os.getpid()}", model=model, name="tmpfs-test")
+        streamed = wrap(f"/dev/shm/miles-test-{os.getpid()}", model=model, name="tmpfs-test")
     assert "host RAM" in caplog.text
     model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()
     streamed.step()
@@ -123,7 +117,7 @@ def test_tmpfs_directory_works_with_a_warning(caplog):
 
 def test_truncated_bucket_file_fails_naming_file_and_offset(tmp_path):
     model = _bf16_model()
-    streamed = _wrap(tmp_path, model=model)
+    streamed = wrap(tmp_path, model=model)
     (bucket,) = streamed.store.buckets
     path = streamed.store._backing.file_backing(bucket).path(bucket)
     os.truncate(path, 1000)
@@ -171,7 +165,7 @@ def test_bucket_files_use_direct_io_where_the_filesystem_allows_it(tmp_path):
 
     if filesystem_type(str(tmp_path)) not in ("ext4", "xfs"):
         pytest.skip(f"{tmp_path} is on {filesystem_type(str(tmp_path))}, not a disk filesystem")
-    streamed = _wrap(tmp_path, model=_bf16_model())
+    streamed = wrap(tmp_path, model=_bf16_model())
     assert streamed.store._backing.direct is True
     handle = streamed.store._backing.open(streamed.store.buckets[0])
     try:
@@ -196,7 +190,7 @@ def test_a_filesystem_refusing_direct_io_falls_back_to_buffered_with_a_log_line(
     monkeypatch.setattr(os, "open", open_without_direct_io)
     model = _bf16_model()
     with caplog.at_level(logging.WARNING):
-        streamed = _wrap(tmp_path, model=model)
+        streamed = wrap(tmp_path, model=model)
     assert "refuses O_DIRECT: using buffered I/O" in caplog.text
     assert streamed.store._backing.direct is False
     model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().backward()

@@ -4,35 +4,15 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from tests.helpers import STEPS, streamed_run
 from tests.unit.reference import (
     Net,
     assert_same_training,
-    between_steps,
     groups,
     loss_fn,
     reference_run,
     same_bytes,
-    schedule,
 )
-
-STEPS = 22
-
-
-def streamed_run(opt_cls, dtype, steps, directory, fp32_extra=True, device="cpu", **config):
-    model = Net(dtype, fp32_extra).to(device)
-    optimizer = opt_cls(groups(model))
-    config.setdefault("bucket_cap_elements", 1500)
-    config.setdefault("directory", str(directory))
-    streamed = StreamedOptimizer(optimizer, StreamConfig(**config))
-    scheduler = schedule(optimizer)  # after wrapping, so it wraps the streamed step
-    for step in range(steps):
-        loss_fn(model, step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        between_steps(optimizer, scheduler, step)
-    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
-    state = [by_param[id(p)] for p in model.parameters()]
-    return [p.detach().cpu().clone() for p in model.parameters()], state, streamed
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])

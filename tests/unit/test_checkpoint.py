@@ -9,104 +9,33 @@ import functools
 import json
 import logging
 import os
-import zlib
 
 import pytest
 import torch
 
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
+from miles_plugins.optimizers import StreamConfig
+from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store.streaming_store import StreamingStore
+from tests.helpers import (
+    SAVE_AT,
+    STEPS,
+    as_format,
+    fresh,
+    refusal,
+    resume,
+    rewrite_manifest,
+    save_run,
+    state_of,
+    train,
+)
 from tests.unit.reference import (
-    Net,
     assert_same_training,
-    between_steps,
-    groups,
     loss_fn,
     reference_run,
-    schedule,
 )
-
-STEPS, SAVE_AT = 22, 12  # SAVE_AT is after the LR drop, before the weight-decay change
-
-
-def train(model, optimizer, scheduler, steps):
-    for step in steps:
-        loss_fn(model, step).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        between_steps(optimizer, scheduler, step)
-
-
-def fresh(tmp_path, name, dtype=torch.bfloat16, opt_cls=torch.optim.AdamW, **config):
-    model = Net(dtype)
-    optimizer = opt_cls(groups(model))
-    config.setdefault("bucket_cap_elements", 1500)
-    config.setdefault("directory", str(tmp_path / "scratch"))
-    streamed = StreamedOptimizer(optimizer, StreamConfig(name=name, **config))
-    return model, optimizer, schedule(optimizer), streamed
-
-
-def rewrite_manifest(path, change, sign=True):
-    """Edit a saved manifest with ``change(data)``; with ``sign`` its own checksum is
-    recomputed, as a writer that means to be believed would (or a buggy one)."""
-    data = json.loads(path.read_text())
-    change(data)
-    if sign:
-        data[CHECKSUM_KEY] = checksum(data)
-    path.write_text(json.dumps(data))
-
-
-def as_format(store, version):
-    """A manifest change that makes it one of an older format: one CRC-32 per file
-    (before format 3), no checksum of its own (format 1)."""
-
-    def change(data):
-        data["format_version"] = version
-        del data["crc_block_bytes"]
-        if version < 2:
-            del data[CHECKSUM_KEY]
-        for name, entry in data["files"].items():
-            entry["crc32"] = zlib.crc32((store / name).read_bytes())
-            del entry["block_crc32"]
-
-    return change
-
-
-def state_of(model, streamed):
-    by_param = {id(p): (main, m, v) for p, main, m, v in streamed.iter_state()}
-    return [p.detach().clone() for p in model.parameters()], [by_param[id(p)] for p in model.parameters()]
-
-
-def save_run(tmp_path, ckpt, **kw):
-    """Train SAVE_AT steps and save everything a resume needs; returns the live objects."""
-    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
-    train(model, optimizer, scheduler, range(SAVE_AT))
-    streamed.save_to(str(ckpt))
-    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
-    return model, optimizer, scheduler, streamed
-
-
-def finish_and_save_again(ckpt, model, optimizer, scheduler, streamed) -> None:
-    """After a resume at SAVE_AT: the rest of the run must be the uninterrupted
-    one, and the next save must leave only the complete save beside rest.pt."""
-    assert streamed.store.steps_taken == SAVE_AT
-    train(model, optimizer, scheduler, range(SAVE_AT, STEPS))
-    assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
-    streamed.save_to(str(ckpt))
-    assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the failure left"
-    streamed.close()
-
-
-def resume(tmp_path, ckpt, **kw):
-    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **kw)
-    rest = torch.load(ckpt / "rest.pt")
-    model.load_state_dict(rest["model"])
-    scheduler.load_state_dict(rest["scheduler"])  # the groups' lr comes back with the streamed state
-    return model, optimizer, scheduler, streamed
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
@@ -228,16 +157,6 @@ def saved(tmp_path):
     ckpt = tmp_path / "ckpt"
     save_run(tmp_path, ckpt)[3].close()
     return ckpt
-
-
-def refusal(tmp_path, ckpt, **kw):
-    *_, streamed = resume(tmp_path, ckpt, **kw)
-    try:
-        with pytest.raises(CheckpointMismatchError) as info:
-            streamed.load_from(str(ckpt))
-    finally:
-        streamed.close()
-    return str(info.value)
 
 
 def test_changed_moment_dtype_is_refused(tmp_path, saved):

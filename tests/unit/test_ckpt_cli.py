@@ -1,9 +1,6 @@
 """``python -m miles_plugins.optimizers.ckpt inspect``: a real saved state, described and
 verified byte for byte; damaged ones are reported, each problem named, with exit 1."""
 
-import contextlib
-import importlib
-import io
 import json
 import os
 import shutil
@@ -16,29 +13,14 @@ import torch
 from megatron_hooks.checkpoint import STATE_DIRNAME
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, MANIFEST_NAME, checksum
-from tests.unit.test_bad_input import REPO
-
-MODULE = "miles_plugins.optimizers.ckpt"
+from tests.helpers import CKPT_MODULE, REPO, ckpt_cli
 
 
 def _run_module(*args):
     """The command as a user types it: its own process, its exit status."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", MODULE, *args]
+    cmd = [sys.executable, "-m", CKPT_MODULE, *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
-def _inspect(*args):
-    """The command's ``main`` in this process, read as ``_run_module`` reads the command
-    (exit status, stdout, stderr): a process costs 2-3 s of Python and torch imports, and
-    the first call of two tests below runs the module itself."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            returncode = importlib.import_module(MODULE).main(list(args))
-        except SystemExit as exit_:  # argparse's usage errors
-            returncode = exit_.code
-    return subprocess.CompletedProcess(["ckpt", *args], returncode, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -67,7 +49,7 @@ def test_a_sound_checkpoint_is_described_and_verifies(checkpoint):
     assert out.count("OK: every file's size and CRC-32 match") == 2
     assert "step 3" in out and "moments 8bit (dynamic map" in out and "2 of 2 saved stores verify" in out
     # One store alone, given directly, too.
-    assert _inspect("inspect", str(checkpoint / STATE_DIRNAME / "rank1.opt0")).returncode == 0
+    assert ckpt_cli("inspect", str(checkpoint / STATE_DIRNAME / "rank1.opt0")).returncode == 0
 
 
 def _bucket(checkpoint, rank=0):
@@ -80,7 +62,7 @@ def test_a_flipped_byte_is_reported_with_its_file_and_exit_1(checkpoint):
     data = bytearray(path.read_bytes())
     data[100] ^= 0x40
     path.write_bytes(bytes(data))
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1
     assert f"PROBLEM: {path.name} fails its checksum: the CRC-32 of 1 of its" in result.stdout
     assert "1 of 2 saved stores verify" in result.stdout
@@ -93,28 +75,28 @@ def test_a_truncated_file_a_missing_file_and_an_edited_manifest_are_each_reporte
     data = json.loads(manifest.read_text())
     data["steps_taken"] = 4  # edited without its checksum
     manifest.write_text(json.dumps(data))
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1
     assert f"{truncated.name} has" in result.stdout and "(truncated?)" in result.stdout
     assert "fails its own checksum" in result.stdout
     _bucket(checkpoint, 0).unlink()
-    assert f"{truncated.name} is missing" in _inspect("inspect", str(checkpoint)).stdout
+    assert f"{truncated.name} is missing" in ckpt_cli("inspect", str(checkpoint)).stdout
 
 
 def test_an_incomplete_save_and_an_empty_directory_are_problems(checkpoint, tmp_path):
     (checkpoint / STATE_DIRNAME / "rank0.opt0" / MANIFEST_NAME).unlink()
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1 and "holds no manifest.json: the save that wrote it did not complete" in result.stdout
     (tmp_path / "empty").mkdir()
-    result = _inspect("inspect", str(tmp_path / "empty"))
+    result = ckpt_cli("inspect", str(tmp_path / "empty"))
     assert result.returncode == 1 and "is not a saved streamed optimizer state: give a checkpoint's" in result.stderr
-    result = _inspect("inspect", str(tmp_path))  # the checkpoint root, one level too high
+    result = ckpt_cli("inspect", str(tmp_path))  # the checkpoint root, one level too high
     assert result.returncode == 1 and "is not a saved streamed optimizer state" in result.stderr
 
 
 def test_bad_usage_exits_2(tmp_path):
     assert _run_module().returncode == 2
-    result = _inspect("inspect", str(tmp_path / "nope"))
+    result = ckpt_cli("inspect", str(tmp_path / "nope"))
     assert result.returncode == 2 and "is not a directory" in result.stderr
 
 
@@ -122,7 +104,7 @@ def test_what_a_load_would_refuse_or_read_instead_is_what_inspect_reports(checkp
     state = checkpoint / STATE_DIRNAME
     # A replace cut off between its renames: the load reads .<name>.previous.
     os.rename(state / "rank1.opt0", state / ".rank1.opt0.previous")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 0, result.stdout
     assert "rank1.opt0 is missing; a load reads the previous save" in result.stdout
     # Two ranks' stores swapped: each manifest names its own store.
@@ -130,7 +112,7 @@ def test_what_a_load_would_refuse_or_read_instead_is_what_inspect_reports(checkp
     os.rename(state / "rank0.opt0", state / "tmp")
     os.rename(state / "rank1.opt0", state / "rank0.opt0")
     os.rename(state / "tmp", state / "rank1.opt0")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert (
         result.returncode == 1 and "the manifest is store 'rank1.opt0''s, but it sits in 'rank0.opt0'" in result.stdout
     )
@@ -141,12 +123,12 @@ def test_a_stray_file_beside_the_stores_is_ignored_as_a_load_ignores_it(checkpoi
     the place of a store (a name a load reads) is still the problem a load meets."""
     state = checkpoint / STATE_DIRNAME
     (state / "NOTES.txt").write_text("copied from cluster A\n")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 0, result.stdout
     assert f"note: ignoring {state / 'NOTES.txt'}: not a directory, so no saved store" in result.stdout
     assert "PROBLEM" not in result.stdout and "2 of 2 saved stores verify" in result.stdout
     (state / "rank2.opt0").write_text("")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1
     assert f"PROBLEM: {state / 'rank2.opt0'} is not a plain directory (a load refuses it)" in result.stdout
 
@@ -162,16 +144,16 @@ def test_what_streamed_optimizer_save_to_wrote_is_described_and_verified(tmp_pat
         optimizer.step()
         streamed.save_to(str(tmp_path / "saved"))
     torch.save({"step": 1}, tmp_path / "saved" / "model.pt")  # the caller's own checkpoint beside it
-    result = _inspect("inspect", str(tmp_path / "saved"))
+    result = ckpt_cli("inspect", str(tmp_path / "saved"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 of 1 saved stores verify" in result.stdout and "note: ignoring" in result.stdout
     path = tmp_path / "saved" / config.name / "bucket_00000.bin"
     data = bytearray(path.read_bytes())
     data[5] ^= 1
     path.write_bytes(bytes(data))
-    result = _inspect("inspect", str(tmp_path / "saved"))
+    result = ckpt_cli("inspect", str(tmp_path / "saved"))
     assert result.returncode == 1 and "PROBLEM: bucket_00000.bin fails its checksum" in result.stdout
-    assert "StreamedOptimizer.save_to" in _inspect("inspect", "--help").stdout
+    assert "StreamedOptimizer.save_to" in ckpt_cli("inspect", "--help").stdout
 
 
 def test_a_rank_without_a_store_is_reported(checkpoint):
@@ -182,9 +164,9 @@ def test_a_rank_without_a_store_is_reported(checkpoint):
         data["topology"] = {"world_size": 2, "dp_size": 2}
         data[CHECKSUM_KEY] = checksum(data)
         manifest.write_text(json.dumps(data))
-    assert _inspect("inspect", str(checkpoint)).returncode == 0
+    assert ckpt_cli("inspect", str(checkpoint)).returncode == 0
     shutil.rmtree(state / "rank1.opt0")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1 and "the run had 2 ranks; no store for rank(s) [1]" in result.stdout
 
 
@@ -204,9 +186,9 @@ def test_a_data_parallel_group_missing_a_store_of_one_optimizer_is_reported(chec
     data-parallel peers have both, is a missing store."""
     state = checkpoint / STATE_DIRNAME
     _chain(state, {f"rank{r}.opt{o}": (2, r, 0) for r in range(2) for o in range(2)})
-    assert _inspect("inspect", str(checkpoint)).returncode == 0
+    assert ckpt_cli("inspect", str(checkpoint)).returncode == 0
     shutil.rmtree(state / "rank1.opt1")
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1, result.stdout
     assert "opt1: the data-parallel group of pp_rank 0 has 1 of its 2 stores (dp rank(s) [1] missing)" in result.stdout
 
@@ -215,7 +197,7 @@ def test_a_pipeline_stage_without_experts_is_no_problem(checkpoint):
     """PP=2 with experts only in the second stage: rank 0 has no expert optimizer at all."""
     state = checkpoint / STATE_DIRNAME
     _chain(state, {"rank0.opt0": (1, 0, 0), "rank1.opt0": (1, 0, 1), "rank1.opt1": (1, 0, 1)})
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 0, result.stdout
 
 
@@ -223,10 +205,10 @@ def test_stores_of_two_saves_in_one_directory_are_reported(checkpoint):
     state = checkpoint / STATE_DIRNAME
     _rewrite(state / "rank0.opt0" / MANIFEST_NAME, topology={"world_size": 2, "dp_size": 2})
     _rewrite(state / "rank1.opt0" / MANIFEST_NAME, topology={"world_size": 4, "dp_size": 4})
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1 and "different world sizes [2, 4]: the directory mixes saves" in result.stdout
     _rewrite(state / "rank1.opt0" / MANIFEST_NAME, topology={"world_size": 2, "dp_size": 2}, steps_taken=2)
-    result = _inspect("inspect", str(checkpoint))
+    result = ckpt_cli("inspect", str(checkpoint))
     assert result.returncode == 1 and "different step counts [2, 3]: the directory mixes saves" in result.stdout
 
 

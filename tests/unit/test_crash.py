@@ -14,8 +14,7 @@ import time
 import pytest
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
-from tests.unit.children import start
-from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, resume
+from tests.helpers import SAVE_AT, finish_and_save_again, resume, start
 
 pytestmark = pytest.mark.fault
 

@@ -1,4 +1,9 @@
-"""`make demo`'s program: its JSON report and its refusals."""
+"""`make demo`'s program: its JSON report and its refusals.
+
+A few tests run the command (``python -m miles_plugins.demo``): its exit status and
+streams through the interpreter, its log lines, a run in a mount namespace of its own;
+the others call its ``main`` in this process (``run_main``), read the same way.
+"""
 
 import json
 import os
@@ -10,21 +15,33 @@ import sys
 
 import pytest
 
-from tests.unit.test_bad_input import REPO
+from tests.helpers import REPO, run_main
 
 
-def _demo(*args, cwd=REPO):
+def _demo_command(*args):
+    """``python -m miles_plugins.demo args...`` in a process of its own."""
     return subprocess.run(
         [sys.executable, "-m", "miles_plugins.demo", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": REPO},
-        cwd=cwd,
+        cwd=REPO,
     )
 
 
-def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
-    result = _demo("--steps", "4", "--dir", str(tmp_path))
+def _demo(*args):
+    return run_main("miles_plugins.demo", *args)
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """The command, four steps with the defaults, into an existing --dir: (result, --dir)."""
+    directory = tmp_path_factory.mktemp("demo")
+    return _demo_command("--steps", "4", "--dir", str(directory)), directory
+
+
+def test_demo_reports_bit_identity_and_a_bounded_residency(four_steps):
+    result, directory = four_steps
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["steps"] == 4
@@ -40,7 +57,7 @@ def test_demo_reports_bit_identity_and_a_bounded_residency(tmp_path):
     elements = report["state_bytes_total"] // 12
     assert report["bytes_read"] == 4 * elements + 3 * 12 * elements
     assert report["bytes_written"] == 4 * 12 * elements
-    assert os.listdir(tmp_path) == [], "the demo must remove its scratch directory"
+    assert os.listdir(directory) == [], "the demo must remove its scratch directory"
 
 
 def test_demo_places_buckets_in_all_three_homes_by_its_budgets(tmp_path):
@@ -77,10 +94,10 @@ def test_demo_with_compact_moments_is_not_bit_identical_but_succeeds(tmp_path, m
     assert report["moment_dtype"] == moment_dtype and report["bit_identical"] is False
 
 
-def test_demo_builds_its_scheduler_after_wrapping(tmp_path):
+def test_demo_builds_its_scheduler_after_wrapping(four_steps):
     """torch warns when a scheduler was built before optimizer.step() was replaced;
     the README says to build it after wrapping, and the demo must do as it says."""
-    result = _demo("--steps", "2", "--dir", str(tmp_path))
+    result, _ = four_steps
     assert result.returncode == 0, result.stderr
     assert "has been overridden after learning rate scheduler initialization" not in result.stderr
 
@@ -138,7 +155,7 @@ def test_demo_refuses_a_dir_too_small_for_its_state_before_training(tmp_path):
 
 def test_demo_spreads_buckets_over_several_directories_and_removes_what_it_made(tmp_path):
     a, b = tmp_path / "a", tmp_path / "made" / "b"
-    result = _demo("--steps", "2", "-v", "--dir", f"{a},{b}")
+    result = _demo_command("--steps", "2", "-v", "--dir", f"{a},{b}")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["bit_identical"] is True
     # One scratch directory in each, each holding buckets (the setup line counts them per directory).

@@ -24,7 +24,7 @@ import torch
 from miles_plugins.optimizers.checkpoint import writer
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import StreamIOError
-from tests.unit.test_checkpoint import SAVE_AT, finish_and_save_again, fresh, resume, save_run, train
+from tests.helpers import SAVE_AT, finish_and_save_again, fresh, resume, save_run, train
 
 # A second process holding a save's lock, as a running save does, until its stdin closes.
 _HOLDER = """

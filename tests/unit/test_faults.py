@@ -29,9 +29,19 @@ from miles_plugins.optimizers.homes.scratch import LOCK_MARKER
 from miles_plugins.optimizers.homes.scratch_purge import purge
 from miles_plugins.optimizers.step.rollback import StepRollback
 from tests.faults import FaultPlan
+from tests.helpers import (
+    REPO,
+    SAVE_AT,
+    STEPS,
+    all_three_homes,
+    fresh,
+    resume,
+    save_run,
+    state_of,
+    three_bf16_layers,
+    train,
+)
 from tests.unit.reference import Net, assert_same_training, between_steps, groups, loss_fn, reference_run
-from tests.unit.test_bad_input import REPO
-from tests.unit.test_checkpoint import SAVE_AT, STEPS, fresh, resume, save_run, state_of, train
 
 
 def _contents(directory) -> dict:
@@ -220,12 +230,11 @@ def test_a_device_allocation_failure_mid_step_loses_only_that_step(
     tmp_path, monkeypatch, caplog, fault_report, placement
 ):
     from miles_plugins.optimizers.step.flight import StateAccounting
-    from tests.unit.test_placement import _all_three_homes
 
     # Small buckets: with 3 in flight, an allocation then fails after some buckets were updated.
     # With budgets, the last three buckets are in memory: the failure comes before any is updated,
     # so the disk buckets' update still rolls back.
-    config = _all_three_homes() if placement != "disk" else {"bucket_cap_elements": 500}
+    config = all_three_homes() if placement != "disk" else {"bucket_cap_elements": 500}
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path, **config)
     before = state_of(model, streamed)
     real = StateAccounting.materialize
@@ -430,11 +439,6 @@ def test_a_save_found_where_the_scratch_belongs_survives_the_restart_purge(tmp_p
     )
 
 
-def _three_layers():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3))).to(torch.bfloat16)
-
-
 def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path, small_drives, fault_report):
     """Drives that hold one run's scratch but not two: the restart purges what the
     killed run of its rank left before it measures free space, both where each
@@ -445,7 +449,7 @@ def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path
     cap = 256 * 256  # one layer a bucket
     size = (
         StreamedOptimizer(
-            torch.optim.AdamW(_three_layers().parameters()), StreamConfig(tier="host", bucket_cap_elements=cap)
+            torch.optim.AdamW(three_bf16_layers().parameters()), StreamConfig(tier="host", bucket_cap_elements=cap)
         )
         .store.buckets[0]
         .file_size
@@ -456,8 +460,8 @@ def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path
     killed = textwrap.dedent(f"""
         import os, torch
         from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-        from tests.unit.test_faults import _three_layers
-        model = _three_layers()
+        from tests.helpers import three_bf16_layers
+        model = three_bf16_layers()
         optimizer = torch.optim.AdamW(model.parameters())
         StreamedOptimizer(optimizer, StreamConfig(directory={directory!r}, bucket_cap_elements={cap}))
         model(torch.ones(2, 256, dtype=torch.bfloat16)).float().sum().backward()
@@ -470,7 +474,7 @@ def test_a_restart_after_a_kill_has_the_room_its_own_stale_scratch_held(tmp_path
     free = [shutil.disk_usage(d).free for d in (large, small)]
     assert max(free) < 2 * size, "with the stale scratch there, no drive has room for a bucket's two slots"
 
-    model = _three_layers()
+    model = three_bf16_layers()
     optimizer = torch.optim.AdamW(model.parameters())
     streamed = StreamedOptimizer(optimizer, StreamConfig(directory=directory, bucket_cap_elements=cap))
     assert streamed.store.placed.directory_of == [0, 1, 0]
@@ -598,7 +602,7 @@ def test_a_transfer_hung_for_good_does_not_keep_the_process_alive(tmp_path, faul
     code = textwrap.dedent(f"""
         import sys
         from tests.faults import FaultPlan
-        from tests.unit.test_checkpoint import fresh, train
+        from tests.helpers import fresh, train
         work = {str(tmp_path)!r}
         model, optimizer, scheduler, streamed = fresh(__import__("pathlib").Path(work), "rank0", io_timeout_s=0.5)
         train(model, optimizer, scheduler, range(1))

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.unit.test_bad_input import REPO
+from tests.helpers import REPO
 
 TRAINING = {
     "__init__.py": "from .global_vars import get_args\nfrom .training import pretrain\n",

@@ -43,6 +43,7 @@ from miles_plugins.optimizers.megatron.binding import MegatronBinding  # noqa: E
 from miles_plugins.optimizers.megatron.deferred_mains import MainsWithoutStorage, deferred_mains  # noqa: E402
 from miles_plugins.optimizers.megatron.state_dict import STREAMED_STATE_KEY  # noqa: E402
 from miles_plugins.optimizers.store import plan as store_module  # noqa: E402
+from tests.helpers import SimulatedDevice  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
 
 SHAPES = [(64, 32), (32,), (48, 64), (48,), (16, 48)]
@@ -494,7 +495,6 @@ def test_the_chain_s_optimizers_fill_the_rank_s_budgets_in_turn(tmp_path, monkey
 
 def test_a_chain_shares_one_auto_gpu_budget_sized_after_its_last_store_stepped(tmp_path):
     """What attach does for a Megatron chain (dense, expert): one AutoGpuBudget for the rank's stores."""
-    from tests.unit.test_auto_budget import SimulatedDevice
 
     shared = AutoGpuBudget(0)  # the CPU: no allocator statistics until the test gives them
     chain = []

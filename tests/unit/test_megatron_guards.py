@@ -2,7 +2,7 @@
 
 A real ``DistributedOptimizer`` cannot be constructed here: its ``__init__``
 needs CUDA tensors and process groups (the GPU tier builds real ones, see
-``tests/gpu/megatron_tier.py``). These tests use the real megatron-core classes
+``tests/gpu/harness/megatron_tier.py``). These tests use the real megatron-core classes
 and configs, building optimizer objects with ``__new__`` and setting only the
 attributes the guards read; that is enough to prove what is refused, what is
 accepted, and that a refusal leaves every optimizer untouched.

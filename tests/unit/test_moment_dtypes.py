@@ -4,6 +4,8 @@ as a plain loop storing them the same way, and train as well as fp32 moments
 (while 8-bit without scales does not); the unscaled narrow formats earlier versions
 offered are refused, in a setting and in a checkpoint."""
 
+import functools
+
 import pytest
 import torch
 
@@ -12,16 +14,11 @@ from miles_plugins.optimizers import StreamConfig, StreamConfigError, StreamedOp
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.formats import convert, quant8
 from miles_plugins.optimizers.formats.layout import layout_bucket
-from tests.unit import test_checkpoint as checkpoint_tests
+from tests import helpers
+from tests.helpers import BF16_MAIN_TOLERANCE, refusal, resume, rewrite_manifest, save_run, streamed_run, train
 from tests.unit.reference import Net, between_steps, groups, loss_fn, same_bytes, schedule
-from tests.unit.test_bit_identity import streamed_run
-from tests.unit.test_checkpoint import refusal, rewrite_manifest, save_run
 
-STEPS = 20
-# The stated tolerance for bf16 moments: bf16 keeps 8 mantissa bits, so each
-# stored moment rounds at ~0.4% relative; after 20 steps at lr 1e-2 the fp32
-# mains stay within 5e-3 (absolute) of the run with fp32 moments.
-BF16_MAIN_TOLERANCE = 5e-3
+STEPS = 20  # the steps BF16_MAIN_TOLERANCE is stated for
 # The issue's bound for 8-bit moments: final loss (mean of the last steps) within
 # 2% of the run with fp32 moments, after 200 steps.
 TRAINING_STEPS, LOSS_TOLERANCE = 200, 0.02
@@ -292,25 +289,47 @@ class ComputesInFp32(torch.nn.Module):
         return torch.func.functional_call(self.model, upcast, (tokens,))
 
 
-def test_8bit_moments_train_within_2_percent_of_fp32_moments_and_unscaled_8bit_does_not(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def training_data():
+    """The demo's model computing in fp32 (``ComputesInFp32``) wherever ``moment_formats``
+    builds it, for this module's tests; and its TRAINING_STEPS batches of the Markov corpus."""
+    with pytest.MonkeyPatch.context() as patch:
+        build_model = moment_formats.build_model
+        patch.setattr(moment_formats, "build_model", lambda device: ComputesInFp32(build_model(device)))
+        yield moment_formats.batches(TRAINING_STEPS)
+
+
+@pytest.fixture(scope="module")
+def final_loss(training_data):
+    """``final_loss(variant)``: of a plain run over ``training_data`` storing its moments as
+    ``variant``; each variant's run made once (the fp32 run serves both tests below)."""
+    return functools.cache(
+        lambda variant: moment_formats.final_loss(moment_formats.train(variant, training_data)["losses"])
+    )
+
+
+def test_8bit_moments_train_within_2_percent_of_fp32_moments(final_loss):
     """The demo's model (bf16 params, fp32 compute) on a Markov corpus (loss floor
-    1.21 nats) for 200 steps. The control stores the same 8-bit codes without any
-    scale: it must break the bound, or the bound proves nothing about the scales.
-    (At 100 steps the control stays within 2%: the steps cannot be cut.)"""
-    build_model = moment_formats.build_model
-    monkeypatch.setattr(moment_formats, "build_model", lambda device: ComputesInFp32(build_model(device)))
-    data = moment_formats.batches(TRAINING_STEPS)
-    fp32 = moment_formats.final_loss(moment_formats.train("fp32", data)["losses"])
-    eight_bit = moment_formats.final_loss(moment_formats.train("8bit", data)["losses"])
-    unscaled = moment_formats.final_loss(moment_formats.train("8bit-unscaled", data)["losses"])
+    1.21 nats) for 200 steps."""
+    fp32, eight_bit = final_loss("fp32"), final_loss("8bit")
     assert abs(eight_bit / fp32 - 1) <= LOSS_TOLERANCE, f"8bit {eight_bit:.4f} vs fp32 {fp32:.4f}"
-    assert abs(unscaled / fp32 - 1) > LOSS_TOLERANCE, f"unscaled {unscaled:.4f} vs fp32 {fp32:.4f}: no control"
     assert eight_bit != fp32, "8bit moments changed nothing: were they really stored in 8 bits?"
-    # And a streamed run is exactly that plain loop, every step byte for byte: the first
-    # EXACT_STEPS (warm-up and decay of their own schedule) show it as well as 200 would.
+
+
+def test_unscaled_8bit_moments_do_not_train_within_2_percent(final_loss):
+    """The control of the test above: the same 8-bit codes stored without any scale must
+    break the bound, or the bound proves nothing about the scales. (At 100 steps the
+    control stays within 2%: the steps cannot be cut.)"""
+    fp32, unscaled = final_loss("fp32"), final_loss("8bit-unscaled")
+    assert abs(unscaled / fp32 - 1) > LOSS_TOLERANCE, f"unscaled {unscaled:.4f} vs fp32 {fp32:.4f}: no control"
+
+
+def test_a_streamed_8bit_run_is_the_plain_loop_storing_moments_in_8bit(tmp_path, training_data):
+    """Every step byte for byte, with the training tests' model and data: the first
+    EXACT_STEPS (warm-up and decay of their own schedule) show it as well as 200 would."""
     config = StreamConfig(directory=str(tmp_path), moment_dtype="8bit", bucket_cap_elements=65_536)
-    streamed = moment_formats.train("8bit", data[:EXACT_STEPS], streamed=config)
-    plain = moment_formats.train("8bit", data[:EXACT_STEPS])
+    streamed = moment_formats.train("8bit", training_data[:EXACT_STEPS], streamed=config)
+    plain = moment_formats.train("8bit", training_data[:EXACT_STEPS])
     assert streamed["losses"] == plain["losses"]
     assert all(same_bytes(a, b) for a, b in zip(streamed["params"], plain["params"], strict=True))
 
@@ -321,15 +340,15 @@ CROSSINGS = [({}, {}), ({"tier": "host"}, {"engine": "sync"}), ({"engine": "sync
 @pytest.mark.parametrize("saving, loading", CROSSINGS, ids=["disk", "host-to-sync-disk", "sync-disk-to-host"])
 def test_8bit_checkpoints_resume_exactly_and_refuse_another_format(tmp_path, saving, loading):
     """Across tiers and engines too: a checkpoint depends on the formats only."""
-    want_params, want_state = _plain_loop_storing_moments_in_8bit(checkpoint_tests.STEPS)
+    want_params, want_state = _plain_loop_storing_moments_in_8bit(helpers.STEPS)
     ckpt = tmp_path / "ckpt"
-    checkpoint_tests.save_run(tmp_path, ckpt, moment_dtype="8bit", **saving)[3].close()
+    save_run(tmp_path, ckpt, moment_dtype="8bit", **saving)[3].close()
     for other in ("bf16", "fp32"):
-        message = checkpoint_tests.refusal(tmp_path, ckpt, moment_dtype=other)
+        message = refusal(tmp_path, ckpt, moment_dtype=other)
         assert f'moment dtype differs: checkpoint has "8bit", this run has "{other}"' in message
-    model, optimizer, scheduler, resumed = checkpoint_tests.resume(tmp_path, ckpt, moment_dtype="8bit", **loading)
+    model, optimizer, scheduler, resumed = resume(tmp_path, ckpt, moment_dtype="8bit", **loading)
     assert resumed.load_from(str(ckpt))
-    checkpoint_tests.train(model, optimizer, scheduler, range(checkpoint_tests.SAVE_AT, checkpoint_tests.STEPS))
+    train(model, optimizer, scheduler, range(helpers.SAVE_AT, helpers.STEPS))
     by_param = {id(p): (main, m, v) for p, main, m, v in resumed.iter_state()}
     assert all(same_bytes(a, b) for a, b in zip(model.parameters(), want_params, strict=True)), "params differ"
     for p, want in zip(model.parameters(), want_state, strict=True):

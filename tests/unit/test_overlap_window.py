@@ -15,8 +15,8 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamConfigError
 from miles_plugins.optimizers.errors import StoreUnusableError, StreamIOTimeout
 from tests.faults import FaultPlan
+from tests.helpers import STEPS, fresh, state_of
 from tests.unit.reference import assert_same_training, between_steps, loss_fn, reference_run
-from tests.unit.test_checkpoint import STEPS, fresh, state_of
 
 SAVE_AT = 9
 

@@ -9,6 +9,7 @@ import pytest
 from ci.megatron_sources import wheel_tree
 from megatron_hooks import __main__ as cli
 from megatron_hooks import patching
+from tests.helpers import REPO
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +113,6 @@ def test_make_patch_status_reports_an_unpatched_tree_without_failing_make(tmp_pa
     "*** Error 1", which reads like a crash; a tree the command cannot read still fails."""
     import os
     import sys
-
-    from tests.unit.test_bad_input import REPO
 
     checkpointing = tmp_path / patching.TARGET
     checkpointing.parent.mkdir(parents=True)

@@ -22,6 +22,19 @@ from miles_plugins.optimizers.homes.fs import parse_size
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.placement import assign_homes, plan_disk, spread_over_directories
 from tests.faults import FaultPlan
+from tests.helpers import (
+    CAP,
+    SAVE_AT,
+    STEPS,
+    all_three_homes,
+    bucket_sizes,
+    fresh,
+    resume,
+    save_run,
+    state_of,
+    streamed_run,
+    train,
+)
 from tests.unit.reference import (
     Net,
     assert_same_training,
@@ -31,8 +44,6 @@ from tests.unit.reference import (
     reference_run,
     schedule,
 )
-from tests.unit.test_bit_identity import STEPS, streamed_run
-from tests.unit.test_checkpoint import SAVE_AT, fresh, resume, save_run, state_of, train
 
 
 def _bucket(index: int, size: int) -> BucketLayout:
@@ -60,33 +71,12 @@ def test_budgets_fill_gpu_then_host_from_the_last_bucket_backwards(sizes, gpu, h
     assert assign_homes(buckets, config) == (homes, {"gpu": left[0], "host": left[1]})
 
 
-CAP = 500  # elements per bucket: six buckets of the test model
-
-
-def _bucket_sizes(fp32_extra: bool = True, **config) -> list[int]:
-    """The stored size of each bucket of the test model under ``config`` (held in host memory to see them)."""
-    model = Net(torch.bfloat16, fp32_extra)
-    streamed = StreamedOptimizer(
-        torch.optim.AdamW(groups(model)), StreamConfig(tier="host", bucket_cap_elements=CAP, **config)
-    )
-    sizes = [b.file_size for b in streamed.store.buckets]
-    streamed.close()
-    return sizes
-
-
-def _all_three_homes(**config) -> dict:
-    """Budgets that put the last bucket on the GPU, the two before it in host memory, the rest on disk."""
-    sizes = _bucket_sizes(**config)
-    assert len(sizes) >= 4, "the test needs a bucket for every home and more"
-    return {"bucket_cap_elements": CAP, "gpu_budget_bytes": sizes[-1], "host_budget_bytes": sizes[-2] + sizes[-3]}
-
-
 MODES = [("pipelined", "fp32"), ("pipelined", "remainder"), ("sync", "fp32"), ("sync", "remainder")]
 
 
 @pytest.mark.parametrize("engine, main_storage", MODES, ids=["-".join(m) for m in MODES])
 def test_a_mixed_placement_is_byte_identical_to_resident(tmp_path, engine, main_storage):
-    budgets = _all_three_homes(main_storage=main_storage)
+    budgets = all_three_homes(main_storage=main_storage)
     ref = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
     params, state, streamed = streamed_run(
         torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path, engine=engine, main_storage=main_storage, **budgets
@@ -108,7 +98,7 @@ def test_with_every_bucket_in_memory_the_scratch_is_still_locked_and_purged(tmp_
     stale = tmp_path / "rank0"
     stale.mkdir()
     (stale / "bucket_00000.slot0.bin").write_bytes(b"left by a killed run")
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     params, state, streamed = streamed_run(
         torch.optim.AdamW,
         torch.bfloat16,
@@ -128,7 +118,7 @@ def test_with_every_bucket_in_memory_the_scratch_is_still_locked_and_purged(tmp_
 def _placement(name: str, tmp_path) -> dict:
     """Settings of a named placement of the test model's buckets."""
     if name == "mixed":
-        return _all_three_homes()
+        return all_three_homes()
     if name == "two-dirs":
         return {"bucket_cap_elements": CAP, "directory": f"{tmp_path / 'nvme0'},{tmp_path / 'nvme1'}"}
     return {"bucket_cap_elements": CAP, "tier": name}
@@ -160,7 +150,7 @@ def test_bad_budgets_are_refused(tmp_path, field, value):
 @pytest.mark.parametrize("moment_dtype", ["bf16", "8bit"])
 def test_placement_does_not_change_compact_moments(tmp_path, moment_dtype):
     """A bucket at home in memory rounds its moments to the stored format each step, as on disk."""
-    mixed = _all_three_homes(moment_dtype=moment_dtype)
+    mixed = all_three_homes(moment_dtype=moment_dtype)
     on_disk = streamed_run(
         torch.optim.AdamW, torch.bfloat16, STEPS, tmp_path / "disk", moment_dtype=moment_dtype, bucket_cap_elements=CAP
     )
@@ -252,7 +242,7 @@ def test_each_directory_needs_its_share_of_the_staging_budget():
 def test_the_gpu_home_moves_to_host_memory_and_back_for_an_rl_phase(tmp_path, monkeypatch):
     """offload_to_cpu / restore_from_cpu (Megatron's RL phase switches) move the gpu
     home's buckets out of device memory and back; a step in between still works."""
-    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **_all_three_homes())
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **all_three_homes())
     device_home = streamed.store._backing.by_key["gpu"]
     train(model, optimizer, scheduler, range(8))
     streamed.store.offload_device_home()
@@ -283,7 +273,7 @@ def test_an_offload_the_host_has_no_room_for_is_refused_before_anything_moves(tm
     """Pinned host memory the node does not have would end in the kernel's OOM killer
     mid-rollout: the offload measures the host first and refuses, leaving the gpu home
     where it is; training goes on as if it had not been asked."""
-    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **_all_three_homes())
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", **all_three_homes())
     store = streamed.store
     device_home = store._backing.by_key["gpu"]
     train(model, optimizer, scheduler, range(4))
@@ -316,7 +306,7 @@ def test_an_auto_offload_counts_only_what_it_would_pin_and_refuses_before_moving
     """Under an auto GPU budget the buckets moved up from the disk go back to it, pinning
     nothing; only those placed on the device at setup would be pinned. The check counts
     those alone, and runs before any bucket moves."""
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
     monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)
@@ -353,7 +343,7 @@ def test_the_gpu_home_saves_zeros_where_nothing_was_written(tmp_path):
     saved = {}
     for name, config in (
         ("disk", {"bucket_cap_elements": CAP}),
-        ("gpu", {**_all_three_homes(), "host_budget_bytes": 0}),
+        ("gpu", {**all_three_homes(), "host_budget_bytes": 0}),
     ):
         config = {**config, "gpu_budget_bytes": 1 << 30} if name == "gpu" else config
         save_run(tmp_path / name, tmp_path / name / "ckpt", **config)[3].close()
@@ -380,9 +370,6 @@ def test_what_is_not_a_size_is_refused_saying_what_one_looks_like(text):
 
 def _a_step_whose_last_disk_write_fails(tmp_path, engine: str, gpu_budget: int):
     """A store with its last bucket on the GPU whose next step fails on its last disk write."""
-    from tests.faults import FaultPlan
-    from tests.unit.reference import loss_fn
-
     model = Net(torch.bfloat16)
     optimizer = torch.optim.AdamW(groups(model))
     scratch = tmp_path / "scratch"
@@ -406,7 +393,7 @@ def _a_step_whose_last_disk_write_fails(tmp_path, engine: str, gpu_budget: int):
 def test_a_failed_disk_write_before_the_first_in_memory_update_rolls_back(tmp_path, engine):
     """The walk waits for every disk write before it updates the first in-memory bucket:
     a write error of the last disk buckets still finds the step undoable."""
-    streamed, optimizer = _a_step_whose_last_disk_write_fails(tmp_path, engine, _bucket_sizes()[-1])
+    streamed, optimizer = _a_step_whose_last_disk_write_fails(tmp_path, engine, bucket_sizes()[-1])
     assert streamed.store.placement["gpu"] == 1 and streamed.store.placed.homes[-1] == "gpu"
     optimizer.step()  # the failed step again: the store rolled back instead of refusing
     optimizer.zero_grad()
@@ -414,7 +401,7 @@ def test_a_failed_disk_write_before_the_first_in_memory_update_rolls_back(tmp_pa
 
 
 def test_staging_allocated_is_what_the_config_reports_with_an_unused_directory(tmp_path):
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     config = StreamConfig(
         directory=[str(tmp_path / "a"), str(tmp_path / "b")],
         bucket_cap_elements=CAP,
@@ -470,7 +457,7 @@ def test_drive_ranks_must_be_a_positive_integer(value):
 
 
 def test_a_drive_short_of_two_slots_trains_byte_identical_with_one_slot_buckets(tmp_path, small_drives, caplog):
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     drive = small_drives("drive", sum(sizes) + sum(sizes[:2]) + SLACK)  # two slots for the first two only
     ref_params, ref_state = reference_run(torch.optim.AdamW, torch.bfloat16, STEPS)
     with caplog.at_level("WARNING"):
@@ -494,7 +481,7 @@ def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(
     """The one-slot buckets come last in the walk, after every disk write the walk drains:
     a write failing before them rolls the step back; failing on the one-slot bucket's own
     write (it was updated in place), the store refuses to go on."""
-    sizes = _bucket_sizes(fp32_extra=False)
+    sizes = bucket_sizes(fp32_extra=False)
     drive = small_drives("drive", sum(sizes) + sum(sizes[:-1]) + SLACK)  # the last bucket keeps one slot
     model = Net(torch.bfloat16, fp32_extra=False)
     optimizer = torch.optim.AdamW(groups(model))
@@ -529,7 +516,7 @@ def test_a_failed_step_rolls_back_only_until_it_updated_a_one_slot_bucket(
 
 
 def test_a_drive_short_even_of_one_slot_each_is_refused_saying_how_much_is_missing(tmp_path, small_drives):
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     drive = small_drives("drive", sum(sizes) // 2)
     model = Net(torch.bfloat16)
     with pytest.raises(
@@ -546,7 +533,7 @@ def test_an_auto_gpu_budget_takes_at_setup_what_host_and_disk_cannot_hold(tmp_pa
     measure; ``setup_gpu_room`` reads the CUDA allocator): the last buckets go to the gpu
     home at setup, the disk holds the rest in one slot, training is byte-identical, and an
     offload (these buckets have no place below) and a restore keep it so."""
-    sizes = _bucket_sizes()
+    sizes = bucket_sizes()
     drive = small_drives("drive", sum(sizes[:-2]) + SLACK)
     monkeypatch.setattr(auto_budget, "setup_gpu_room", lambda device, margin, releasable: sizes[-1] + sizes[-2])
     monkeypatch.setattr(memory_probes, "cgroup_room", lambda: None)

@@ -18,9 +18,8 @@ import torch
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.homes import dir_replace
-from tests.unit.children import start
+from tests.helpers import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, start, state_of, train
 from tests.unit.reference import assert_same_training, reference_run
-from tests.unit.test_checkpoint import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, state_of, train
 
 
 @pytest.fixture

@@ -3,26 +3,20 @@
 Each DP size's sharding comes from megatron-core's own range code
 (``DistributedOptimizer._build_model_gbuf_param_range_map``, the function that
 decides which elements of which param a DP rank owns). The buffer layout it is
-given follows Megatron's padding rules, reproduced here because upstream builds
+given follows Megatron's padding rules, reproduced in ``helpers.megatron_shards`` because upstream builds
 it inside ``_ParamAndGradBuffer.__init__`` (no function to call): each param's
 start padded to 64 elements, params in reverse order, each bucket's end padded
 to a multiple of lcm(dp, 128).
 """
 
-import math
 import random
 
 import pytest
 
 from miles_plugins.optimizers.checkpoint.reshard_plan import Copy, Piece, RemapError, plan
+from tests.helpers import megatron_param_layout, megatron_shards
 
-distrib_optimizer = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
-Range = distrib_optimizer.Range
-range_map = distrib_optimizer.DistributedOptimizer._build_model_gbuf_param_range_map
-
-
-def _pad(n: int, divisor: int) -> int:
-    return -(-n // divisor) * divisor
+pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
 
 
 def _model(seed: int) -> list[list[tuple[str, int]]]:
@@ -32,41 +26,6 @@ def _model(seed: int) -> list[list[tuple[str, int]]]:
         [(f"b{b}.p{i}", rng.choice([1, 7, 64, 129, rng.randint(1, 5000), rng.randint(5000, 40000)])) for i in range(n)]
         for b, n in enumerate(rng.randint(1, 6) for _ in range(3))
     ]
-
-
-def megatron_shards(model, dp: int) -> tuple[list[list[Piece]], list[int]]:
-    """Per DP rank its pieces, in Megatron's sharding at ``dp``; and each bucket's padded size."""
-    pieces: list[list[Piece]] = [[] for _ in range(dp)]
-    sizes, offset = [], 0
-    for bucket in model:
-        index_map, start = {}, offset
-        for name, numel in reversed(bucket):
-            start = _pad(start, 64)
-            index_map[name] = (start, start + numel, 0)
-            start += numel
-        end = _pad(start, math.lcm(dp, 128))
-        sizes.append(end - offset)
-        shard = (end - offset) // dp
-        for rank in range(dp):
-            world = Range(offset + rank * shard, offset + (rank + 1) * shard)
-            for name, ranges in range_map(index_map, world, offset).items():
-                pieces[rank].append(Piece(name, ranges["param"].start, ranges["param"].size))
-        offset = end
-    return pieces, sizes
-
-
-def megatron_param_layout(model) -> dict:
-    """What the Megatron binding records of these buckets (``megatron.param_layout``):
-    per bucket, its params in the range maps' order with their start in the bucket."""
-    buckets = []
-    for index, bucket in enumerate(model):
-        params, start = [], 0
-        for name, numel in reversed(bucket):
-            start = _pad(start, 64)
-            params.append([name, start, numel])
-            start += numel
-        buckets.append({"key": [0, index], "params": params, "size": start})
-    return {"buckets": buckets, "pad_for_high_nccl_busbw": False, "ddp_bucket_size": None}
 
 
 def test_the_offline_sharding_is_megatrons():

@@ -20,7 +20,7 @@ from miles_plugins.optimizers.formats import quant8
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store.streaming_store import StreamingStore
-from tests.unit.test_reshard import megatron_shards
+from tests.helpers import megatron_shards
 
 LAYERS, STEPS = 2, 2
 STATE = ("main", "exp_avg", "exp_avg_sq")

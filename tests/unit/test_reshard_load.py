@@ -1,7 +1,7 @@
 """A streamed state saved at DP=N resumes at DP=M, byte for byte.
 
 Each DP rank is a real ``StreamingStore`` over its shard of every param (Megatron's
-sharding, ``test_reshard.megatron_shards``: contiguous ranges of a padded buffer,
+sharding, ``helpers.megatron_shards``: contiguous ranges of a padded buffer,
 cutting params anywhere), all in one process. The reference is independent: one
 plain ``torch.optim.AdamW`` over the whole fp32 params, never saved or sharded.
 Adam is elementwise, so the sharded runs must match it exactly, before and after
@@ -19,8 +19,10 @@ from miles_plugins.optimizers.formats import quant8
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
 from miles_plugins.optimizers.store.streaming_store import StreamingStore
+from tests.helpers import REPO, as_format, ckpt_cli, megatron_param_layout, megatron_shards, rewrite_manifest
 from tests.unit.reference import same_bytes
-from tests.unit.test_reshard import megatron_param_layout, megatron_shards
+
+pytest.importorskip("megatron.core.optimizer.distrib_optimizer")  # Megatron's sharding (helpers.megatron_shards)
 
 # Names, sizes and master groups (decay, no decay, frozen); "norm" is an fp32 param
 # (its moments streamed, or resident: fp32-moments-resident); "tied" holds mains halfway between two bf16 values, which remainder
@@ -282,7 +284,6 @@ def test_another_layout_at_the_same_dp_size_is_rebuilt_from_the_saved_pieces(tmp
 
 
 def test_a_saved_layout_this_version_would_not_write_is_refused(tmp_path):
-    from tests.unit.test_checkpoint import rewrite_manifest
 
     _saved(tmp_path, 2)
     rewrite_manifest(tmp_path / "ckpt" / "rank1.opt0" / "manifest.json", lambda d: d["layout"][0].update(size=123))
@@ -293,7 +294,6 @@ def test_a_saved_layout_this_version_would_not_write_is_refused(tmp_path):
 
 
 def test_a_checkpoint_from_before_param_ranges_says_it_loads_only_at_its_own_size(tmp_path):
-    from tests.unit.test_checkpoint import as_format, rewrite_manifest
 
     _saved(tmp_path, 1)
 
@@ -315,7 +315,6 @@ def test_a_checkpoint_from_before_param_ranges_says_it_loads_only_at_its_own_siz
 def test_other_tp_sizes_without_param_keys_are_refused_in_one_line_naming_them(tmp_path):
     """Saves that record no param keys and global boxes (here: no Megatron model) load
     only at their own TP, PP and EP sizes, with or without a save of this rank's name."""
-    from tests.unit.test_checkpoint import rewrite_manifest
 
     _saved(tmp_path, 2)
     for r in range(2):
@@ -371,7 +370,6 @@ def test_ckpt_reshard_of_a_corrupted_checkpoint_exits_1_and_leaves_nothing(tmp_p
 
 def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, capsys):
     from miles_plugins.optimizers.checkpoint import cli as ckpt
-    from tests.unit.test_checkpoint import rewrite_manifest
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
     for r in range(2):
@@ -379,7 +377,9 @@ def test_ckpt_reshard_refuses_a_checkpoint_with_tensor_parallelism(tmp_path, cap
         rewrite_manifest(path, lambda d: d["topology"]["shard_peers"].update(tp_size=2))
     assert ckpt.main(["reshard", str(saved), "--dp", "1", "--out", str(tmp_path / "new")]) == 1
     refused = capsys.readouterr().err
-    assert "saved with pp_size 1, tp_size 2 by a version (or from a model) that did not record each param's key" in refused
+    assert (
+        "saved with pp_size 1, tp_size 2 by a version (or from a model) that did not record each param's key" in refused
+    )
     assert "loads only at its own TP, PP and EP sizes" in refused and refused.count("\n") == 1
 
 
@@ -428,7 +428,6 @@ def test_ckpt_reshard_never_writes_into_the_state_it_reads(tmp_path, inside, cap
 
 def test_ckpt_reshard_refuses_saved_ranks_of_different_formats(tmp_path, capsys):
     from miles_plugins.optimizers.checkpoint import cli as ckpt
-    from tests.unit.test_checkpoint import rewrite_manifest
 
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     path = saved / "streamed_optimizer_state" / "rank1.opt0" / "manifest.json"
@@ -511,8 +510,6 @@ def test_ckpt_reshard_cancelled_by_sigterm_leaves_nothing(tmp_path):
     import subprocess
     import sys
 
-    from tests.unit.test_bad_input import REPO
-
     saved = _saved(tmp_path, 2, iteration="iter_0000002")
     out = tmp_path / "new" / "iter_0000002"
     cmd = [sys.executable, "-m", "miles_plugins.optimizers.ckpt", "reshard", str(saved), "--dp", "4000"]
@@ -569,8 +566,6 @@ def test_ckpt_reshard_of_a_removed_moment_dtype_is_refused_in_one_line_as_a_load
     """A save from a version that offered fp16 moments: the command says what the online
     load says (it died with a KeyError traceback), exit 1 as for any checkpoint it cannot read."""
     from miles_plugins.optimizers.checkpoint.manifest import removed_moment_dtype
-    from tests.unit.test_checkpoint import rewrite_manifest
-    from tests.unit.test_ckpt_cli import _inspect as ckpt_cli
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
     for r in range(2):
@@ -590,8 +585,6 @@ def test_ckpt_inspect_reports_a_removed_and_reshard_an_unknown_moment_dtype(tmp_
     this version never knew (a newer version's save) is refused by reshard in one line (it
     was a KeyError traceback)."""
     from miles_plugins.optimizers.checkpoint.manifest import removed_moment_dtype
-    from tests.unit.test_checkpoint import rewrite_manifest
-    from tests.unit.test_ckpt_cli import _inspect as ckpt_cli
 
     saved = _saved(tmp_path, 2, iteration="iter_0000001")
     manifests = [saved / "streamed_optimizer_state" / f"rank{r}.opt0" / "manifest.json" for r in range(2)]

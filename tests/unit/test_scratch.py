@@ -14,11 +14,11 @@ import torch
 from miles_plugins.optimizers import StreamConfig, StreamingStore
 from miles_plugins.optimizers.step.adam import backend_for
 from miles_plugins.optimizers.step.entries import Entry
-from tests.unit.test_bad_input import REPO, _wrap
+from tests.helpers import REPO, wrap
 
 
 def test_scratch_is_private_and_removed_on_close(tmp_path):
-    streamed = _wrap(tmp_path, name="rank3")
+    streamed = wrap(tmp_path, name="rank3")
     path = tmp_path / "rank3"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     files = os.listdir(path)

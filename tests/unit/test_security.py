@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfigError, StreamIOError
-from tests.unit.test_bad_input import REPO, _wrap
-from tests.unit.test_checkpoint import fresh, train
+from tests.helpers import REPO, fresh, train, wrap
 
 pytestmark = pytest.mark.fault
 
@@ -57,7 +56,7 @@ def test_the_startup_purge_never_follows_a_symlink(tmp_path, fault_report):
     stale = tmp_path / "state" / "rank0"
     stale.mkdir(parents=True)
     os.symlink(victim, stale / "planted")  # inside a stale scratch of this rank
-    streamed = _wrap(tmp_path / "state", name="rank0")
+    streamed = wrap(tmp_path / "state", name="rank0")
     assert not (stale / "planted").exists() and (victim / "precious").read_text() == "data"
     os.symlink(victim, stale / "planted-later")  # inside the live scratch, before exit cleanup
     streamed.close()
@@ -65,7 +64,7 @@ def test_the_startup_purge_never_follows_a_symlink(tmp_path, fault_report):
     (tmp_path / "state").mkdir(exist_ok=True)
     os.symlink(victim, tmp_path / "state" / "rank0")  # where the scratch itself belongs
     with pytest.raises(StreamIOError, match="not a plain directory") as info:
-        _wrap(tmp_path / "state", name="rank0")
+        wrap(tmp_path / "state", name="rank0")
     assert (victim / "precious").read_text() == "data"
     fault_report(
         "symlinks planted in or as the scratch directory",
@@ -80,7 +79,7 @@ def test_a_symlinked_lock_file_is_refused(tmp_path, fault_report):
     (tmp_path / "state").mkdir()
     os.symlink(victim / "precious", tmp_path / "state" / ".rank0.lock")
     with pytest.raises(StreamIOError, match="cannot open .*lock: Too many levels of symbolic links") as info:
-        _wrap(tmp_path / "state", name="rank0")
+        wrap(tmp_path / "state", name="rank0")
     assert (victim / "precious").read_text() == "data"
     fault_report("a symlink planted as the lock file", "refused, not followed", str(info.value), "none")
 
@@ -113,8 +112,8 @@ def test_a_second_process_on_the_same_scratch_is_refused(tmp_path, fault_report)
     """E.g. rank numbering that restarts per cell: two processes both called rank0."""
     holder = textwrap.dedent(f"""
         import sys, torch
-        from tests.unit.test_bad_input import _wrap
-        s = _wrap({str(tmp_path)!r}, name="rank0")
+        from tests.helpers import wrap
+        s = wrap({str(tmp_path)!r}, name="rank0")
         print("ready", flush=True)
         sys.stdin.read()
         s.close()
@@ -131,7 +130,7 @@ def test_a_second_process_on_the_same_scratch_is_refused(tmp_path, fault_report)
         assert first.stdout.readline().strip() == "ready"
         before = sorted(os.listdir(tmp_path / "rank0"))
         with pytest.raises(StreamConfigError, match="in use by another process") as info:
-            _wrap(tmp_path, name="rank0")
+            wrap(tmp_path, name="rank0")
         assert sorted(os.listdir(tmp_path / "rank0")) == before, "the refused process must not touch the files"
     finally:
         first.communicate("")
@@ -149,7 +148,7 @@ def test_stale_scratch_of_this_rank_only_is_reclaimed(tmp_path, fault_report):
     (tmp_path / "rank0" / "bucket_00099.slot0.bin").write_bytes(b"stale")
     (tmp_path / "rank1").mkdir()
     (tmp_path / "rank1" / "keep.bin").write_bytes(b"other rank")
-    streamed = _wrap(tmp_path, name="rank0", model=torch.nn.Linear(8, 8).to(torch.bfloat16))
+    streamed = wrap(tmp_path, name="rank0", model=torch.nn.Linear(8, 8).to(torch.bfloat16))
     assert not (tmp_path / "rank0" / "bucket_00099.slot0.bin").exists()
     assert (tmp_path / "rank1" / "keep.bin").read_bytes() == b"other rank"
     streamed.close()

@@ -15,8 +15,7 @@ import pytest
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.homes import scratch as scratch_module
 from miles_plugins.optimizers.homes import scratch_purge
-from tests.unit.children import start
-from tests.unit.test_bad_input import REPO, _wrap
+from tests.helpers import REPO, start, wrap
 
 pytestmark = pytest.mark.fault
 
@@ -91,7 +90,7 @@ def _stale_scratch(directory, name: str, files: int = 3) -> None:
 
 def test_purge_removes_stale_scratch_only(tmp_path, fault_report):
     _stale_scratch(tmp_path, "rank0")
-    live = _wrap(tmp_path, name="rank1")  # a running process's scratch: its lock is held
+    live = wrap(tmp_path, name="rank1")  # a running process's scratch: its lock is held
     (tmp_path / "notes").mkdir()
     (tmp_path / ".notes.lock").write_text("someone else's lock file")
     victim = tmp_path / "victim"
@@ -137,7 +136,7 @@ def test_purge_leaves_a_scratch_whose_lock_was_replaced_under_it(tmp_path, monke
     of the stale lock file and its flock, that run's owner exits (unlinking the
     file) and the next run of the rank starts with a new lock file. The flock
     then succeeds on a file no longer in place; purge must notice."""
-    first = _wrap(tmp_path, name="rank0")
+    first = wrap(tmp_path, name="rank0")
     real_flock = scratch_purge.fcntl.flock
     later = {}
 
@@ -145,7 +144,7 @@ def test_purge_leaves_a_scratch_whose_lock_was_replaced_under_it(tmp_path, monke
         if not later:
             later["run"] = None
             first.close()  # run 1 exits: its lock file is unlinked, then closed
-            later["run"] = _wrap(tmp_path, name="rank0")  # run 2 of the same rank
+            later["run"] = wrap(tmp_path, name="rank0")  # run 2 of the same rank
         return real_flock(fd, operation)
 
     monkeypatch.setattr(scratch_purge.fcntl, "flock", interleave)
@@ -161,7 +160,7 @@ def test_a_forked_child_never_removes_its_parents_scratch(tmp_path):
     object, its exit hook and the SIGTERM handler, but not the scratch."""
     import multiprocessing
 
-    streamed = _wrap(tmp_path, name="rank0")  # installs the SIGTERM cleanup in this (main) thread
+    streamed = wrap(tmp_path, name="rank0")  # installs the SIGTERM cleanup in this (main) thread
     files = sorted(os.listdir(tmp_path / "rank0"))
     context = multiprocessing.get_context("fork")
     worker = context.Process(target=time.sleep, args=(60,))

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
+from tests.helpers import STEPS, fresh, state_of, train
+from tests.unit.reference import assert_same_training, reference_run
 
 CAP = 1 << 20  # elements per bucket: 12 MiB materialized
 LAYERS = 32  # 1M elements each: 32 buckets, 384 MiB of state
@@ -73,8 +75,6 @@ def test_the_staging_budget_is_the_total_split_among_the_io_threads(tmp_path, ca
 def test_one_transfer_thread_per_direction_trains_as_the_reference(tmp_path, budget_mb):
     """Small budgets fund one I/O thread per direction: every bucket's reads and writes
     queue on it, while three buckets are in flight, and training is unchanged."""
-    from tests.unit.reference import assert_same_training, reference_run
-    from tests.unit.test_checkpoint import STEPS, fresh, state_of, train
 
     model, optimizer, scheduler, streamed = fresh(
         tmp_path, "rank0", bucket_cap_elements=500, staging_budget_mb=budget_mb

@@ -172,7 +172,7 @@ def refusals(tmp: str) -> dict:
 
     from miles_plugins.optimizers.checkpoint.cli import reshard_command
     from miles_plugins.optimizers.errors import CheckpointMismatchError
-    from tests.unit.test_checkpoint import rewrite_manifest
+    from tests.helpers import rewrite_manifest
 
     ckpt = pathlib.Path(tmp, "ckpt")
     _trained(Layout(tp=2), f"{tmp}/a", CAP, str(ckpt))

@@ -40,7 +40,7 @@ def run(steps: int, directory: str) -> dict:
     from megatron.core import parallel_state
 
     from miles_plugins.optimizers.nvme_stream import setup_optimizer_state_streaming
-    from tests.gpu import megatron_tier as tier
+    from tests.gpu.harness import megatron_tier as tier
 
     chain = MarkovChain(tier.VOCAB, seed=tier.SEED)
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from tests.gpu import megatron_tier as tier
+    from tests.gpu.harness import megatron_tier as tier
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     tier.init_distributed(1)

@@ -3,10 +3,10 @@
 Each phase runs in its own process (torchrun), against a Megatron tree the patch
 series was applied to::
 
-    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase reference --work W
-    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase save --work W --format torch_dist
-    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase resume --work W --format torch_dist
-    torchrun --nproc-per-node=1 -m tests.gpu.checkpoint_tier --phase refuse --work W
+    torchrun --nproc-per-node=1 -m tests.gpu.harness.checkpoint_tier --phase reference --work W
+    torchrun --nproc-per-node=1 -m tests.gpu.harness.checkpoint_tier --phase save --work W --format torch_dist
+    torchrun --nproc-per-node=1 -m tests.gpu.harness.checkpoint_tier --phase resume --work W --format torch_dist
+    torchrun --nproc-per-node=1 -m tests.gpu.harness.checkpoint_tier --phase refuse --work W
 
 - ``reference``: an uninterrupted *resident* run of 2K steps (the independent
   reference), and a checkpoint saved at step K without streaming.
@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.gpu.megatron_tier import (
+from tests.gpu.harness.megatron_tier import (
     all_same,
     build,
     flags,

@@ -2,7 +2,7 @@
 
 Run under torchrun (one process per GPU; the data-parallel size is the world size)::
 
-    torchrun --nproc-per-node=2 -m tests.gpu.megatron_tier --out result.json [--moe --ep 2]
+    torchrun --nproc-per-node=2 -m tests.gpu.harness.megatron_tier --out result.json [--moe --ep 2]
 
 Needs CUDA and megatron-core (0.19.2 is what it was validated on). In one
 process it trains the same model several times from the same seeds:
