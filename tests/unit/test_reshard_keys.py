@@ -235,6 +235,14 @@ def test_a_missing_saved_rank_and_another_model_are_refused_in_one_line(tmp_path
     assert "\n" not in str(refused.value) and "a saved rank's store is missing" in str(refused.value)
     (tmp_path / "rank3.opt0").rename(tmp_path / "ckpt" / "rank3.opt0")
     b.close()
+    reshaped = Layout(tmp_path / "d", 1, 1, 1, {})
+    reshaped.facts[0]["layers.0.proj"]["parts"][0]["global_shape"] = [LAYERS, 4, 11]  # another model's shape
+    with pytest.raises(CheckpointMismatchError) as refused:
+        reshaped.stores[0].load_from(str(tmp_path / "ckpt"), expected_steps=STEPS)
+    assert "\n" not in str(refused.value) and "key 'proj' has global shape [2, 4, 10] in the checkpoint" in str(
+        refused.value
+    )
+    reshaped.close()
     other = Layout(tmp_path / "c", 1, 1, 1, {})
     other.facts[0]["layers.0.norm"]["parts"][0]["key"] = "other"  # a param the checkpoint holds no key of
     with pytest.raises(CheckpointMismatchError) as refused:
