@@ -83,3 +83,14 @@ def test_a_limit_keeps_only_the_region_both_global_shapes_hold():
     target = Box("e", 0, (60, 16), (60, 16), (0, 0), 0)
     source = Box("e", 0, (32, 16), (64, 16), (32, 0), 0)
     assert list(shared_runs(target, source, limit=(60, 16))) == [Runs(32 * 16, 0, 28 * 16)]
+
+
+def test_a_strided_copy_maps_each_saved_element_it_takes_and_no_other():
+    """Where remainder exceptions of a saved entry land (``Copy.target_of``)."""
+    from miles_plugins.optimizers.checkpoint.reshard_plan import Copy
+
+    copy = Copy("saved", source_offset=5, target_offset=3, count=4, rows=3, source_stride=10, target_stride=6)
+    expected = {5 + 10 * r + i: 3 + 6 * r + i for r in range(3) for i in range(4)}
+    assert {i: copy.target_of(i) for i in range(40) if copy.target_of(i) is not None} == expected
+    single = Copy("saved", source_offset=2, target_offset=7, count=3)
+    assert [single.target_of(i) for i in range(6)] == [None, None, 7, 8, 9, None]

@@ -2,7 +2,7 @@
 
 Each rank is a real ``StreamingStore`` over its DP shard of every param it holds
 at its TP and PP coordinates, recording hand-made Megatron facts (keys, boxes,
-replica ids, a SwiGLU factory's two parts, a TP-replicated norm, layers on a
+replica ids, a SwiGLU factory's two parts, a TP-replicated fp32 norm, layers on a
 prepended axis split by PP, a padded vocabulary). Grads and initial values are
 functions of global position, and every check is in global terms: this test's
 own placement of each part (torch slicing of its box) against the resharded
@@ -85,6 +85,10 @@ class Layout:
             entries = []
             for piece in shards[dp_rank]:
                 value = local_of(facts[piece.key], lambda k, s: global_values(k, s, "param", 0))
+                if piece.key.endswith(".norm"):  # an fp32 param: its own main (moments streamed or resident)
+                    main = value[piece.start : piece.end].clone()
+                    entries.append(Entry(main, main, 0, name=piece.key, start=piece.start))
+                    continue
                 main = value[piece.start : piece.end].bfloat16().float()
                 entries.append(Entry(main.bfloat16(), main, 0, name=piece.key, start=piece.start))
             peers = dict(tp_size=tp, tp_rank=tp_rank, ep_size=1, pp_size=pp, pp_rank=pp_rank, optimizer_instance=0)
@@ -96,7 +100,7 @@ class Layout:
                     entries,
                     backend_for(master),
                     StreamConfig(directory=str(tmp / f"scratch{rank}"), name=f"rank{rank}.opt0", **config),
-                    copy_to_model=lambda e: e.param.copy_(e.main),
+                    copy_to_model=lambda e: e.param.copy_(e.main) if e.param is not e.main else None,
                     topology=topology,
                     param_facts={"metadata": {"flags": True}, "params": facts},
                 )
@@ -135,12 +139,19 @@ class Layout:
         for store in self.stores:
             store.save_to(str(directory))
 
-    def load(self, directory, expected: dict | None = None) -> None:
+    def load(self, directory, saved: dict) -> None:
+        """The params first, as Megatron loads them (``saved``'s mains: an fp32 param is its
+        own main, a remainder main needs its bf16 param), then the streamed state."""
+
+        def params(key, shape):
+            out = torch.zeros(shape)
+            common = tuple(slice(0, min(a, b)) for a, b in zip(shape, saved[key]["main"].shape, strict=True))
+            out[common] = saved[key]["main"][common]
+            return out
+
         for store, facts in zip(self.stores, self.facts, strict=True):
-            if expected is not None:  # remainder mains: the loaded params first, as Megatron loads them
-                for e in store.entries:
-                    value = local_of(facts[e.name], lambda k, s: expected[k]["main"][tuple(slice(0, n) for n in s)])
-                    e.param.copy_(value[e.start : e.start + e.param.numel()])
+            for e in store.entries:
+                e.param.copy_(local_of(facts[e.name], params)[e.start : e.start + e.param.numel()])
             assert store.load_from(str(directory), expected_steps=STEPS)
 
     def close(self) -> None:
@@ -161,7 +172,9 @@ def assert_same(a: dict, b: dict) -> None:
     "saved, loaded", [((2, 1, 2), (1, 2, 3)), ((1, 2, 1), (2, 1, 2))], ids=["tp2dp2-to-pp2dp3", "pp2-to-tp2dp2"]
 )
 @pytest.mark.parametrize(
-    "config", [{}, {"main_storage": "remainder"}, {"moment_dtype": "bf16"}], ids=["fp32", "remainder", "bf16"]
+    "config",
+    [{}, {"main_storage": "remainder"}, {"moment_dtype": "bf16", "fp32_param_moments": "resident"}],
+    ids=["fp32", "remainder", "bf16-fp32-moments-resident"],
 )
 def test_a_state_saved_at_one_layout_resumes_at_another_byte_for_byte(tmp_path, saved, loaded, config):
     config = {"bucket_cap_elements": 50, **config}
@@ -172,7 +185,7 @@ def test_a_state_saved_at_one_layout_resumes_at_another_byte_for_byte(tmp_path, 
     a.save(tmp_path / "ckpt")
     a.close()
     b = Layout(tmp_path / "b", *loaded, config)
-    b.load(tmp_path / "ckpt", before if config.get("main_storage") else None)
+    b.load(tmp_path / "ckpt", before)
     assert_same(b.global_state(SHAPES), before)
     b.train(range(STEPS, STEPS + 1))
     resumed = b.global_state(SHAPES)
@@ -191,7 +204,7 @@ def test_8bit_moments_are_decoded_and_quantized_again_in_the_new_entries_blocks(
     a.save(tmp_path / "ckpt")
     a.close()
     b = Layout(tmp_path / "b", 1, 1, 3, config)
-    b.load(tmp_path / "ckpt")
+    b.load(tmp_path / "ckpt", before)
     for store, facts in zip(b.stores, b.facts, strict=True):
         for index, main, exp_avg, exp_avg_sq in store.iter_state():
             e = store.entries[index]
@@ -215,7 +228,7 @@ def test_a_padded_vocabulary_copies_the_rows_both_hold_and_zeroes_the_rest(tmp_p
     a.save(tmp_path / "ckpt")
     a.close()
     b = Layout(tmp_path / "b", 1, 1, 2, {}, vocab=16)
-    b.load(tmp_path / "ckpt")
+    b.load(tmp_path / "ckpt", before)
     after = b.global_state({**SHAPES, "emb": (16, 4)})
     for what in STATE:
         assert torch.equal(after["emb"][what][:12], before["emb"][what])
@@ -231,7 +244,7 @@ def test_a_missing_saved_rank_and_another_model_are_refused_in_one_line(tmp_path
     (tmp_path / "ckpt" / "rank3.opt0").rename(tmp_path / "rank3.opt0")
     b = Layout(tmp_path / "b", 1, 1, 1, {})
     with pytest.raises(CheckpointMismatchError) as refused:
-        b.load(tmp_path / "ckpt")
+        b.stores[0].load_from(str(tmp_path / "ckpt"), expected_steps=STEPS)
     assert "\n" not in str(refused.value) and "a saved rank's store is missing" in str(refused.value)
     (tmp_path / "rank3.opt0").rename(tmp_path / "ckpt" / "rank3.opt0")
     b.close()
