@@ -59,9 +59,9 @@ SCRATCH_ELEMENTS = CHUNK_ELEMENTS
 BLOCKS_PER_PROGRAM = 16
 ELEMENTS_PER_PROGRAM = 4096
 WARPS_PER_PROGRAM = 4
-# Entries of at most this many elements (biases, norms: two thirds of a GPT's entries)
-# are converted packed, a group at a time (:func:`plan_sizes`): their conversion costs
-# host time per operation, not device time per byte.
+# Entries of at most this many elements (biases, norms) are converted packed, a group
+# at a time (:func:`plan_sizes`): their conversion costs host time per operation, not
+# device time per byte.
 PACKED_MAX_ELEMENTS = SCRATCH_ELEMENTS // 4
 # The longest chunk of one launch: element offsets inside a kernel are 32-bit.
 _MAX_CHUNK = 1 << 30

@@ -77,8 +77,8 @@ class ExceptionSlots:
     repeat from step to step and a CUDA graph can hold the encoder's launches: 8 bytes
     per slot and 128 per run, so 8 KiB per run of up to 4M elements and 2 bytes per
     1024 elements beyond, on the device and again in host memory (pinned for a CUDA
-    buffer: torch's pinned allocator rounds that up to a power of two, 256 KiB at 7.6B,
-    and keeps it cached after :meth:`release`)."""
+    buffer: torch's pinned allocator rounds that up to a power of two, and keeps it
+    cached after :meth:`release`)."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None  # int64: `rows` rows of counts (as int32), then the slots

@@ -14,12 +14,10 @@ its own exact update, and they are encoded again.
   stores ``exp_avg_sq`` itself). Squared gradients span twice the decades of
   the gradients, and the map ends about 7 decades below the block maximum:
   stored directly, the smallest ones become 0, and the update of such an
-  element is ``exp_avg / eps``. Measured on the demo model after 200 steps
-  (``python -m bench.moment_formats``), the update's denominator
-  sqrt(exp_avg_sq) moved by a median 0.20% stored directly and 0.28% as its
-  square root, but stored directly 3 in a million became 0 (max error 100%),
-  as a square root none did (max error 10.8%). The square root costs a
-  little precision at the top of each block and removes the failure.
+  element is ``exp_avg / eps``; as a square root they keep a code. The square
+  root costs a little precision at the top of each block and removes the
+  failure (``python -m bench.moment_formats`` compares both; docs/design.md
+  gives its figures).
 
 Stored form of an entry of ``n`` elements: ``n`` one-byte codes, then
 ``ceil(n / BLOCK)`` fp32 scales (raw bytes, right after the codes). Blocks
@@ -124,9 +122,8 @@ def codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sqrt_(t: torch.Tensor) -> None:
     """``t.sqrt_()`` of the fp32 ``t``, correctly rounded on every device, as CUDA's and
-    the fused kernel's ``sqrt_rn`` are: torch's CPU square root is not always (with
-    torch 2.13 on an x86 host, about 1 in 150 roots of arbitrary values round the other
-    way, whatever its vector width). The root of an fp32 in float64 rounded to fp32 is
+    the fused kernel's ``sqrt_rn`` are: torch's CPU square root is not always, whatever
+    its vector width (docs/design.md). The root of an fp32 in float64 rounded to fp32 is
     the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits), whatever the float64 root's
     last bit. A slice at a time: 8 bytes of scratch per element of the slice."""
     step = CHUNK_ELEMENTS // 8
