@@ -124,7 +124,7 @@ def requantized_segment(name: str, numel: int, ranges: Iterable[tuple[SavedEntry
             saved.file.read_into(saved.offset + c.source_offset * 4, bytes_of(target))
         else:
             target.copy_(_decoded(saved, c, signed, sqrt))
-    quant8.narrow_in_place(values, signed, sqrt)
+    quant8.encode_in_place(values, signed, sqrt)
     return bytes_of(values)[: quant8.stored_nbytes(numel)]
 
 
