@@ -8,11 +8,11 @@ to remainder low bits and back (beside its bf16 param), both moments to 8-bit co
 and back (exp_avg signed, sqrt(exp_avg_sq) unsigned). The entries are grouped in
 the store's buckets (64M elements, a param never split) and converted bucket by
 bucket through the step's codec (``step.codec.Codec.encode`` / ``decode``: the
-small entries packed, ``fused.plan_packed``): every entry of a bucket queued, then one device
+small entries packed, ``entry_codecs.plan_packed``): every entry of a bucket queued, then one device
 synchronization per bucket and direction (the remainder encoder reads its
 exceptions back once per bucket besides). Wall time of three formulations in one process: the
 reference torch formulations (``quant8.py``, ``remainder.py``), the fused Triton
-kernels (``fused.py``) launched eagerly, and the fused kernels through the codec's
+kernels (``fused.py``, ``fused_remainder.py``) launched eagerly, and the fused kernels through the codec's
 CUDA graphs (``step/graphs.py``: a bucket's conversions captured once its tensors'
 addresses repeat, then replayed; the decoder's exceptions are put eagerly after
 it), timed after a sweep that captures them (reported as ``capture_sweep_s``,
@@ -30,8 +30,8 @@ one call whose wall times were 0.288 and 0.301 s (the fused total relative to
 the reference's of its own process moved from 0.107 to 0.146: the reference is
 the more host-bound, so that ratio does not cancel the drift).
 Results before 2026-12-02 synchronized after every entry instead; before the
-third call of that day they called ``remainder.encode_many`` and
-``quant8.narrow_many`` directly, as ``Codec`` does; before
+third call of that day they called the formats' bucket encoders directly, as
+``Codec`` does; before
 ``codec-h200-2026-12-02-encoder-in-graphs.json`` the remainder encoder ran
 eagerly after the graph, waiting on the device once per entry.
 
@@ -52,7 +52,7 @@ import time
 import torch
 
 from miles_plugins.optimizers.config import DEFAULT_BUCKET_CAP_ELEMENTS
-from miles_plugins.optimizers.formats import fused
+from miles_plugins.optimizers.formats import kernels
 from miles_plugins.optimizers.formats.layout import layout_store, plan_buckets
 from miles_plugins.optimizers.step import graphs
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
@@ -157,7 +157,7 @@ def main() -> None:
         raise SystemExit("bench.codec: --samples must be 1 or more")
     if not torch.cuda.is_available():
         raise SystemExit("bench.codec: needs a CUDA device (the CPU path is the reference, not a target)")
-    if fused.kernels() is None:
+    if kernels.for_device() is None:
         raise SystemExit("bench.codec: Triton is not installed; the fused kernels cannot run")
     entries = gpt_entries(args.layers, args.hidden)
     buckets = plan_buckets(entries, [0] * len(entries), DEFAULT_BUCKET_CAP_ELEMENTS)
@@ -194,7 +194,7 @@ def main() -> None:
     # The fused kernels eagerly, then through the codec's CUDA graphs: a bucket is captured
     # the second time its tensors are at the same addresses, as in the store's steps.
     for name, on, graphed in (("reference", False, False), ("fused", True, False), ("fused_graphs", True, True)):
-        fused.enabled, graphs.enabled = on, graphed
+        kernels.enabled, graphs.enabled = on, graphed
         param = torch.empty(largest, dtype=torch.bfloat16, device="cuda")
         sweep(entries[:4], {k: t.clone() for k, t in base.items()}, param)  # compile and warm the caches
         codec = Codec(layout(entries))

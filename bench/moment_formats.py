@@ -8,8 +8,8 @@ stored and read back in the run's format, as a streamed step does:
 
 - ``fp32``: unchanged (the reference);
 - ``bf16``: rounded to bf16;
-- ``8bit``: the shipped blockwise format (``quant8.narrow_in_place`` /
-  ``widen_in_place``: signed map for exp_avg, sqrt(exp_avg_sq) on the unsigned map);
+- ``8bit``: the shipped blockwise format (``quant8.encode_in_place`` /
+  ``decode_in_place``: signed map for exp_avg, sqrt(exp_avg_sq) on the unsigned map);
 - ``8bit-direct-v``: as bitsandbytes stores exp_avg_sq: the value itself on the unsigned map;
 - ``8bit-tensorwise``: one scale per tensor instead of per block of 256;
 - ``8bit-unscaled``: no scale at all (the map applied to the raw values).
@@ -60,8 +60,8 @@ def roundtrip(x: torch.Tensor, signed: bool, sqrt: bool, scaling: str) -> torch.
 
 def store_8bit(name: str, t: torch.Tensor) -> None:
     """The shipped format, through the in-place code a streamed step runs."""
-    quant8.narrow_in_place(t, *quant8.MOMENT_FORMATS[name])
-    quant8.widen_in_place(t, *quant8.MOMENT_FORMATS[name])
+    quant8.encode_in_place(t, *quant8.MOMENT_FORMATS[name])
+    quant8.decode_in_place(t, *quant8.MOMENT_FORMATS[name])
 
 
 def _stored_as(signed_sqrt_scaling: Callable[[str], tuple[bool, bool, str]]) -> Callable[[str, torch.Tensor], None]:

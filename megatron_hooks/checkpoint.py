@@ -3,16 +3,16 @@
 The patch series (``patches/``) adds, and this module answers, exactly::
 
     # near the top of checkpointing.py: the marker and this module
-    MILES_OPTIMIZER_STATE_HOOK_ABI = 1
+    MILES_OPTIMIZER_STATE_HOOK_ABI = 2
     try:
         from megatron_hooks import checkpoint as _optimizer_state_hooks
     except ModuleNotFoundError:  # no plugin installed: the hooks are inert
         _optimizer_state_hooks = None
 
-    # save_checkpoint: after the checkpoint (and the optimizer state) is written,
-    # before the barrier after which rank 0 marks the iteration complete
+    # save_checkpoint: after the checkpoint (and the optimizer state) is written, or
+    # its asynchronous save requested, before rank 0 marks the iteration complete
     if _optimizer_state_hooks is not None:
-        _optimizer_state_hooks.save(args, optimizer, checkpoint_name, ckpt_type)
+        _optimizer_state_hooks.save(args, optimizer, checkpoint_name, ckpt_type, async_save_request)
 
     # load_checkpoint: after the model params and the optimizer's own state dict
     # are loaded (or the mains rebuilt from the params)
@@ -22,7 +22,15 @@ The patch series (``patches/``) adds, and this module answers, exactly::
 Both find the stores the plugin attached to the optimizer and to each chained
 optimizer (``contract.STORE_ATTR``) and do nothing when there are none, so a
 patched tree behaves as an unpatched one unless streaming is on. Each store
-owns ``<iteration dir>/streamed_optimizer_state/<store name>/``. No torch here.
+owns ``<iteration dir>/streamed_optimizer_state/<store name>/``. No torch here
+(but in the finalize of an asynchronous save, which Megatron runs with torch loaded).
+
+With ``--async-save`` Megatron hands the save an ``AsyncRequest`` whose finalize
+functions run on every rank, in order, once its own part is written on all of
+them; rank 0's last one writes the tracker that marks the iteration complete. The
+stores then save in the background (``save_to(..., asynchronous=True)``), and a
+finalize function added before the tracker's joins them and agrees across ranks:
+where any rank's failed, every rank raises, and the tracker is not written.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import sys
 import weakref
 from typing import Any
 
-from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
+from megatron_hooks.contract import ANSWERED_HOOK_ABIS, HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore, PendingSave
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +95,10 @@ def state_dir(checkpoint_name: str, ckpt_type: Any) -> str:
     return os.path.join(iteration_dir(checkpoint_name, ckpt_type), STATE_DIRNAME)
 
 
-def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> None:
-    """Persist every store's state into the checkpoint being saved (each rank its own)."""
+def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any, async_save_request: Any = None) -> None:
+    """Persist every store's state into the checkpoint being saved (each rank its own):
+    now, or with Megatron's ``async_save_request`` in the background, finished by a
+    finalize function of that request (see the module docstring)."""
     stores = stores_of(optimizer)
     if not stores:
         return
@@ -101,7 +111,38 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> Non
     for store in stores:
         if store in _awaiting_continuation:  # not stepped since its load: the run may count from elsewhere
             _check_continuation(*_awaiting_continuation[store])
-        store.save_to(directory)
+    if async_save_request is None:
+        for store in stores:
+            store.save_to(directory)
+        return
+    pending = [store.save_to(directory, asynchronous=True) for store in stores]
+    async_save_request.add_finalize_fn(lambda: _finish_background_saves(pending, directory))
+
+
+def _finish_background_saves(pending: list[PendingSave], directory: str) -> None:
+    """The finalize of an asynchronous checkpoint: wait for this rank's background
+    saves, then agree with every rank; raise on all of them where any failed, before
+    the finalize functions after this one (rank 0's writes the tracker) run."""
+    failure = None
+    for save in pending:
+        try:
+            save.wait()
+        except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
+            failure = failure or exc
+    failed_anywhere = failure is not None
+    import torch  # noqa: PLC0415 - only here: the rest of this module stays torch-free
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = torch.cuda.current_device() if torch.distributed.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([int(failed_anywhere)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        failed_anywhere = bool(flag.item())
+    if failed_anywhere:
+        why = f"this rank's failed: {failure}" if failure is not None else "another rank's failed"
+        raise RuntimeError(
+            f"the streamed optimizer state of {directory} was not saved ({why}): the checkpoint is not marked "
+            "complete, and the previous one stays the latest"
+        ) from failure
 
 
 def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> None:
@@ -234,10 +275,18 @@ def check_patched() -> None:
             f"{checkpointing.__file__} lacks the optimizer-state checkpoint hooks: its checkpoints would "
             f"silently drop the streamed optimizer state; {fix}"
         )
-    if version != HOOK_ABI_VERSION:
+    if version not in ANSWERED_HOOK_ABIS:
         raise HooksNotInstalledError(
             f"{checkpointing.__file__} carries checkpoint hooks for ABI {version}, this plugin speaks "
             f"{HOOK_ABI_VERSION}: revert them (`make revert-patches`) and apply this version's series"
+        )
+    if version != HOOK_ABI_VERSION:
+        logger.warning(
+            "%s carries checkpoint hooks for ABI %s: with --async-save the streamed optimizer state is saved "
+            "synchronously there; `make revert-patches` and `make apply-patches` give it ABI %s (background saves)",
+            checkpointing.__file__,
+            version,
+            HOOK_ABI_VERSION,
         )
     if getattr(checkpointing, HOOKS_NAME, None) is not sys.modules[__name__]:
         raise HooksNotInstalledError(

@@ -19,8 +19,19 @@ STORE_ATTR = "_miles_optimizer_state_store"
 
 # Bumped whenever the calls the patched Megatron lines make change shape. The
 # patched tree records the version it was patched for; the plugin refuses a
-# tree patched for another version.
-HOOK_ABI_VERSION = 1
+# tree patched for a version it does not answer.
+HOOK_ABI_VERSION = 2
+# Versions whose calls this plugin answers: ABI 1's save passes no async request
+# (its saves of the streamed state are synchronous, also with --async-save).
+ANSWERED_HOOK_ABIS = (1, 2)
+
+
+@runtime_checkable
+class PendingSave(Protocol):
+    """A save running in the background (``save_to(..., asynchronous=True)``)."""
+
+    def wait(self) -> None:
+        """Return once the save is durable and in place; raise its error where it failed."""
 
 
 @runtime_checkable
@@ -34,10 +45,11 @@ class OptimizerStateStore(Protocol):
         Rebuild the fp32 main params from the model params (after the model's
         weights were loaded or changed outside the optimizer). ``copy_fn(param,
         main)`` fills ``main`` from ``param``; moments are left as they are.
-    ``save_to(base_dir)``
+    ``save_to(base_dir, asynchronous=False)``
         Persist the full streamed state under ``base_dir`` (a checkpoint
         directory this store owns a subdirectory of). Returns when the bytes are
-        durable.
+        durable; with ``asynchronous``, once the state is snapshotted, returning a
+        :class:`PendingSave` whose ``wait()`` returns when they are.
     ``load_from(base_dir) -> bool``
         Restore the state saved by ``save_to``. Returns ``False`` when
         ``base_dir`` holds no streamed state for this store; raises when it holds
@@ -51,7 +63,7 @@ class OptimizerStateStore(Protocol):
 
     def refresh_main_from_model_params(self, copy_fn: Callable[[Any, Any], None]) -> None: ...
 
-    def save_to(self, base_dir: str) -> None: ...
+    def save_to(self, base_dir: str, asynchronous: bool = False) -> PendingSave | None: ...
 
     def load_from(self, base_dir: str) -> bool: ...
 

@@ -222,6 +222,15 @@ def revert(megatron_dir: str | os.PathLike, patches_dir: str | os.PathLike = DEF
         return f"nothing to revert: {current.describe()}"
     if current.state == "foreign":
         raise PatchError(f"{current.describe()}: those hooks are not this series; revert them where they came from")
-    patches = list(reversed(series(patches_dir)))
+    patches = list(reversed(series(_series_dir_for(current, patches_dir))))
     _apply_series(current.root, patches, reverse=True)
     return f"reverted {len(patches)} patches: {status(current.root).describe()}"
+
+
+def _series_dir_for(current: Status, patches_dir: str | os.PathLike) -> Path:
+    """The series a tree was patched with: this version's, or for a tree patched for an
+    earlier ABI, that ABI's (kept under ``abi<N>/`` so that an upgrade can revert it)."""
+    earlier = Path(patches_dir) / f"abi{current.abi}"
+    if current.state == "other-abi" and (earlier / "series").is_file():
+        return earlier
+    return Path(patches_dir)

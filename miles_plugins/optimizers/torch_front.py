@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.errors import StreamConfigError
 from miles_plugins.optimizers.step.adam import backend_for, bind_master, is_streamed
@@ -110,13 +111,15 @@ class StreamedOptimizer:
         for index, main, exp_avg, exp_avg_sq in self.store.iter_state():
             yield self.store.entries[index].param, main, exp_avg, exp_avg_sq
 
-    def save_to(self, directory: str) -> None:
+    def save_to(self, directory: str, *, asynchronous: bool = False) -> BackgroundSave | None:
         """Save the optimizer state (mains, moments, step counts, and the param
         groups' options: lr as a scheduler left it, weight decay, ...) under
         ``directory/<config.name>``, replacing any previous save in one step.
         The params and the LR scheduler's own state are the caller's to save,
-        as without streaming."""
-        self.store.save_to(directory)
+        as without streaming. ``asynchronous``: return once the state is
+        snapshotted and write it while training goes on; ``wait()`` on the
+        returned handle says when it is complete (``StreamingStore.save_to``)."""
+        return self.store.save_to(directory, asynchronous=asynchronous)
 
     def load_from(self, directory: str) -> bool:
         """Restore what :meth:`save_to` wrote under ``directory/<config.name>``

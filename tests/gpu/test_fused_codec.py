@@ -1,6 +1,7 @@
-"""GPU tier for the fused codec kernels (``formats/fused.py``): the bytes they store are
-the CPU reference's, over entries long enough to take every kind of chunk (the scratch
-chunk, then geometric ones), with zero, infinite and NaN values and rounding ties."""
+"""GPU tier for the fused codec kernels (``formats/fused.py``, ``formats/fused_remainder.py``,
+as ``formats/entry_codecs.py`` calls them): the bytes they store are the CPU reference's,
+over entries long enough to take every kind of chunk (the scratch chunk, then geometric
+ones), with zero, infinite and NaN values and rounding ties."""
 
 import importlib.util
 import os
@@ -11,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from miles_plugins.optimizers.formats import fused, quant8, remainder
+from miles_plugins.optimizers.formats import entry_codecs, fused, fused_remainder, kernels, quant8, remainder
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,8 +24,8 @@ pytestmark = [
 
 def test_the_kernels_build_and_pass_their_self_test():
     """Where Triton is installed, kernels that do not build or store other bytes fail here,
-    not skip: ``fused.kernels()`` is None then (the reference serves, with a warning)."""
-    assert fused.kernels() is not None
+    not skip: ``kernels.for_device()`` is None then (the reference serves, with a warning)."""
+    assert kernels.for_device() is not None
 
 
 # Three chunks: [0, S), [S, 4S) and the rest (S = fused.SCRATCH_ELEMENTS).
@@ -46,9 +47,9 @@ def test_fused_8bit_codes_and_values_are_the_cpu_reference(moment):
     x = _moments(NUMEL)[moment]
     signed, sqrt = quant8.MOMENT_FORMATS[moment]
     cpu, gpu = x.clone(), x.cuda()
-    assert fused.applies(gpu)
-    quant8.narrow_in_place(cpu, signed, sqrt)
-    quant8.narrow_in_place(gpu, signed, sqrt)
+    assert kernels.serve(gpu)
+    quant8.encode_in_place(cpu, signed, sqrt)
+    entry_codecs.quant8_encode(gpu, signed, sqrt)
     n, stored = x.numel(), quant8.stored_nbytes(x.numel())
     cpu_bytes, gpu_bytes = cpu.view(torch.uint8)[:stored], gpu.view(torch.uint8)[:stored].cpu()
     assert torch.equal(cpu_bytes[:n], gpu_bytes[:n])  # every code, the non-finite blocks' included
@@ -60,8 +61,8 @@ def test_fused_8bit_codes_and_values_are_the_cpu_reference(moment):
         (i, cpu_scales[i].item(), gpu_scales[i].item()) for i in differ.nonzero()[:5].view(-1).tolist()
     ]
     gpu.view(torch.uint8)[n:stored].copy_(cpu_bytes[n:])  # the same stored form on both sides
-    quant8.widen_in_place(cpu, signed, sqrt)
-    quant8.widen_in_place(gpu, signed, sqrt)
+    quant8.decode_in_place(cpu, signed, sqrt)
+    entry_codecs.quant8_decode(gpu, signed, sqrt)
     gpu = gpu.cpu()
     nan = torch.isnan(cpu)  # the non-finite blocks decode to NaN; NaN bits differ by device
     assert torch.equal(nan, torch.isnan(gpu))
@@ -79,46 +80,58 @@ def _mains(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     return main, main.bfloat16()
 
 
+def _encode(main: torch.Tensor, param: torch.Tensor) -> remainder.Exceptions:
+    """One main encoded as the store's codec encodes it (by the fused encoder on CUDA)."""
+    return entry_codecs.remainder_encode_many([main], [param])[0]
+
+
+def _decode(main: torch.Tensor, param: torch.Tensor, exceptions: remainder.Exceptions) -> None:
+    """One main decoded as the store's codec decodes it: by the rule, then its exceptions."""
+    entry_codecs.remainder_decode_by_rule_many([main], [param])
+    remainder.put_exceptions(main, exceptions)
+
+
 def test_fused_remainder_low_bits_and_exceptions_are_the_cpu_reference():
     main, param = _mains(NUMEL)
     cpu, gpu = main.clone(), main.cuda()
+    assert kernels.serve(gpu)
     cpu_exceptions = remainder.encode_in_place(cpu, param)
-    gpu_exceptions = remainder.encode_in_place(gpu, param.cuda())
+    gpu_exceptions = _encode(gpu, param.cuda())
     assert len(cpu_exceptions) > 1000
     assert torch.equal(cpu_exceptions.index, gpu_exceptions.index)
     assert torch.equal(cpu_exceptions.high, gpu_exceptions.high)
     assert torch.equal(cpu.view(torch.int16)[:NUMEL], gpu.view(torch.int16)[:NUMEL].cpu())
-    remainder.decode_in_place(gpu, param.cuda(), gpu_exceptions)
+    _decode(gpu, param.cuda(), gpu_exceptions)
     assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))
 
 
 def test_exceptions_past_the_device_slots_fall_back_and_stay_exact(monkeypatch):
     """A chunk with more exceptions than the kernel can collect (NaN mains) is found by the
     reference path, from fp32 bytes the kernel has not yet written over."""
-    monkeypatch.setattr(fused, "exception_capacity", lambda n: 64)
+    monkeypatch.setattr(fused_remainder, "exception_capacity", lambda n: 64)
     main, param = _mains(NUMEL)
     main.view(torch.int32)[fused.SCRATCH_ELEMENTS : fused.SCRATCH_ELEMENTS + 5000] = 0x7FC01234  # NaN, payload
     param = main.bfloat16()
     gpu = main.cuda()
-    exceptions = remainder.encode_in_place(gpu, param.cuda())
+    exceptions = _encode(gpu, param.cuda())
     assert len(exceptions) >= 5000
-    remainder.decode_in_place(gpu, param.cuda(), exceptions)
+    _decode(gpu, param.cuda(), exceptions)
     assert torch.equal(gpu.cpu().view(torch.int32), main.view(torch.int32))
 
 
 def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes():
-    """``*_many`` as the codec calls them for a bucket: biases and norms packed (two groups
+    """``entry_codecs.*_many`` as the codec calls them for a bucket: biases and norms packed (two groups
     here), an entry of partial blocks and the long ones alone; every entry's stored
     bytes are the CPU reference's, and decode restores every fp32 bit."""
     sizes = [5120, 15360, 300, 2 * fused.SCRATCH_ELEMENTS + 77] + [fused.PACKED_MAX_ELEMENTS] * 5 + [256]
-    singles, groups = fused.plan_packed([torch.empty(n, device="cuda") for n in sizes], unit=quant8.BLOCK)
+    singles, groups = entry_codecs.plan_packed([torch.empty(n, device="cuda") for n in sizes], unit=quant8.BLOCK)
     assert singles == [2, 3] and len(groups) == 2
     for moment in quant8.MOMENT_FORMATS:
         signed, sqrt = quant8.MOMENT_FORMATS[moment]
         xs = [_moments(n)[moment].roll(seed) for seed, n in enumerate(sizes)]
         cpus, gpus = [x.clone() for x in xs], [x.cuda() for x in xs]
-        quant8.narrow_many(cpus, signed, sqrt)
-        quant8.narrow_many(gpus, signed, sqrt)
+        entry_codecs.quant8_encode_many(cpus, signed, sqrt)
+        entry_codecs.quant8_encode_many(gpus, signed, sqrt)
         for cpu, gpu in zip(cpus, gpus, strict=True):
             stored = quant8.stored_nbytes(cpu.numel())
             # Codes exact; scales as bytes where not NaN (a NaN block's NaN bits may differ).
@@ -129,8 +142,8 @@ def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes(
                 nan = torch.isnan(sa)
                 assert torch.equal(nan, torch.isnan(sb)) and torch.equal(sa[~nan], sb[~nan])
             gpu.view(torch.uint8)[:stored].copy_(a)  # the same stored form on both sides
-        quant8.widen_many(cpus, signed, sqrt)
-        quant8.widen_many(gpus, signed, sqrt)
+        entry_codecs.quant8_decode_many(cpus, signed, sqrt)
+        entry_codecs.quant8_decode_many(gpus, signed, sqrt)
         for cpu, gpu in zip(cpus, gpus, strict=True):
             gpu = gpu.cpu()
             nan = torch.isnan(cpu)
@@ -138,13 +151,13 @@ def test_a_buckets_entries_converted_together_store_each_entrys_reference_bytes(
     mains = [_mains(n)[0].roll(k) for k, n in enumerate(sizes)]
     params = [m.bfloat16() for m in mains]
     cpus, gpus = [m.clone() for m in mains], [m.cuda() for m in mains]
-    cpu_found = remainder.encode_many(cpus, params)
-    gpu_found = remainder.encode_many(gpus, [p.cuda() for p in params])
+    cpu_found = entry_codecs.remainder_encode_many(cpus, params)
+    gpu_found = entry_codecs.remainder_encode_many(gpus, [p.cuda() for p in params])
     assert sum(len(e) for e in cpu_found) > 100
     for cpu, gpu, a, b in zip(cpus, gpus, cpu_found, gpu_found, strict=True):
         assert torch.equal(a.index, b.index) and torch.equal(a.high, b.high)
         assert torch.equal(cpu.view(torch.int16)[: cpu.numel()], gpu.view(torch.int16)[: gpu.numel()].cpu())
-    remainder.widen_many(gpus, [p.cuda() for p in params])
+    entry_codecs.remainder_decode_by_rule_many(gpus, [p.cuda() for p in params])
     for gpu, exceptions in zip(gpus, gpu_found, strict=True):
         remainder.put_exceptions(gpu, exceptions)
     for main, gpu in zip(mains, gpus, strict=True):

@@ -1,4 +1,5 @@
-"""GPU tier for 8-bit moments: the CUDA codes are the CPU codes, they agree with
+"""GPU tier for 8-bit moments: the CUDA codes are the CPU codes (the reference's and, where
+Triton is installed, the fused kernels' as the store's codec calls them), they agree with
 bitsandbytes' CUDA kernel where it is installed, the in-place conversion stays
 within the device scratch the store states, and 8-bit moments train a real
 Megatron GPT for 300 steps within 1% of fp32 moments."""
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_plugins.optimizers.formats import quant8
+from miles_plugins.optimizers.formats import entry_codecs, quant8
 from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS
 from miles_plugins.optimizers.store.bounds import CONVERSION_SCRATCH_BYTES
 
@@ -39,8 +40,8 @@ def test_cuda_codes_and_scales_are_the_cpu_ones():
         assert torch.equal(scales.cpu(), cpu_scales), moment
         assert torch.equal(codes.cpu(), cpu_codes), moment
         t = x.cuda()
-        quant8.narrow_in_place(t, signed, sqrt)
-        quant8.widen_in_place(t, signed, sqrt)
+        entry_codecs.quant8_encode(t, signed, sqrt)
+        entry_codecs.quant8_decode(t, signed, sqrt)
         expected = quant8.dequantize_chunk(cpu_codes, cpu_scales, signed)
         assert torch.equal(t.cpu(), expected.square() if sqrt else expected), moment
 
@@ -64,13 +65,13 @@ def test_codes_agree_with_bitsandbytes_cuda_kernel():
 
 
 def test_in_place_conversion_stays_within_the_stated_scratch():
-    """A 64M-element moment (a full default bucket in one entry) narrows and widens
-    with at most the store's conversion scratch plus the scales."""
+    """A 64M-element moment (a full default bucket in one entry) encodes and decodes
+    (as the store's codec does) with at most the store's conversion scratch plus the scales."""
     numel = 64_000_000
     t = torch.rand(numel, device="cuda")
     scales = quant8.SCALE_DTYPE.itemsize * -(-numel // quant8.BLOCK)
     for signed, sqrt in quant8.MOMENT_FORMATS.values():
-        for convert in (quant8.narrow_in_place, quant8.widen_in_place):
+        for convert in (entry_codecs.quant8_encode, entry_codecs.quant8_decode):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

@@ -1,6 +1,6 @@
 """A training process for the kill tests (``test_crash.py``): it is SIGKILLed mid-way.
 
-    python -m tests.unit.crash_child --work DIR --kill-in step|save|replace
+    python -m tests.unit.crash_child --work DIR --kill-in step|save|replace|background-save [--nth N]
 
 Trains the reference model with streamed state under ``DIR/scratch`` (name
 ``rank0``), saves a checkpoint to ``DIR/ckpt`` after SAVE_AT steps, trains one
@@ -9,6 +9,10 @@ directory. In that last phase the fault harness stalls a write half way (the
 6th of the step's bucket writes, or the 3rd bucket file of the save) and writes
 ``DIR/stalled`` first: the parent waits for that file and kills this process
 while the step (or the save) is half done.
+
+``background-save``: the second save runs in the background while the run trains
+on; its ``--nth`` write to the checkpoint directory stalls and the parent kills the
+process there (training goes on meanwhile, and a step may be waiting for the save).
 
 ``replace``: the second save runs where ``renameat2(RENAME_EXCHANGE)`` is
 refused (EINVAL, as on NFS), and the process dies (``os._exit``: no cleanup
@@ -55,7 +59,8 @@ def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", required=True)
-    parser.add_argument("--kill-in", choices=["step", "save", "replace"], required=True)
+    parser.add_argument("--kill-in", choices=["step", "save", "replace", "background-save"], required=True)
+    parser.add_argument("--nth", type=int, default=None, help="the write that stalls (default: per --kill-in)")
     args = parser.parse_args()
     work = Path(args.work)
     model, optimizer, scheduler, streamed = save_run(work, work / "ckpt")
@@ -67,11 +72,15 @@ def main() -> None:
     def tell_parent() -> None:
         (work / "stalled").write_text(str(os.getpid()))
 
-    nth = 6 if args.kill_in == "step" else 3
+    nth = args.nth or (6 if args.kill_in == "step" else 3)
     with FaultPlan(target, "write", nth=nth, fault="hang", hang_s=3600.0, on_fault=tell_parent):
         if args.kill_in == "step":
             loss_fn(model, SAVE_AT + 1).backward()
             optimizer.step()
+        elif args.kill_in == "background-save":
+            pending = streamed.save_to(str(work / "ckpt"), asynchronous=True)
+            train(model, optimizer, scheduler, range(SAVE_AT + 1, SAVE_AT + 3))
+            pending.wait()
         else:
             streamed.save_to(str(work / "ckpt"))
     time.sleep(3600)  # not reached: the parent kills this process while it is stalled

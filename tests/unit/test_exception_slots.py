@@ -1,4 +1,4 @@
-"""The remainder encoder's exception slots (``fused.ExceptionSlots``): what the codec
+"""The remainder encoder's exception slots (``fused_remainder.ExceptionSlots``): what the codec
 reserves up front covers every bucket's encoding, so the slots' addresses (in the
 CUDA graphs' keys) stay put after the first encode; and a reservation that grows
 changes the key, so no graph replays into slots that moved. On the CPU: the plan and
@@ -10,15 +10,17 @@ import random
 import pytest
 import torch
 
-from miles_plugins.optimizers.formats import fused
+from miles_plugins.optimizers.formats import fused, fused_remainder
 
 
-def _encoding(sizes: list[int], slots: fused.ExceptionSlots) -> fused.RemainderEncoding:
+def _encoding(sizes: list[int], slots: fused_remainder.ExceptionSlots) -> fused_remainder.RemainderEncoding:
     flats = [torch.empty(n) for n in sizes]
     lows = [f.view(torch.int16)[: f.numel()] for f in flats]
     params = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
-    singles, groups = fused._plan_sizes(sizes, 1)  # as plan_packed where the kernels serve
-    return fused.RemainderEncoding(flats, params, lows, singles, groups, slots, module=object())
+    singles, groups = fused.plan_sizes(sizes, 1)  # as plan_packed where the kernels serve
+    return fused_remainder.RemainderEncoding(
+        flats, params, lows, singles=singles, groups=groups, slots=slots, kernels=object()
+    )
 
 
 def test_the_codecs_reservation_covers_every_encoding_of_those_sizes():
@@ -26,8 +28,8 @@ def test_the_codecs_reservation_covers_every_encoding_of_those_sizes():
     small, large = fused.PACKED_MAX_ELEMENTS, 3 * fused.SCRATCH_ELEMENTS
     for _ in range(200):
         sizes = [rng.choice([0, 1, 300, small, small + 1, rng.randrange(1, large)]) for _ in range(rng.randrange(1, 9))]
-        slots = fused.ExceptionSlots()
-        rows, total = fused.slots_needed(sizes)
+        slots = fused_remainder.ExceptionSlots()
+        rows, total = fused_remainder.slots_needed(sizes)
         slots.reserve(rows, total, torch.device("cpu"))
         key = slots.key()
         encoding = _encoding(sizes, slots)
@@ -36,7 +38,7 @@ def test_the_codecs_reservation_covers_every_encoding_of_those_sizes():
 
 
 def test_slots_that_grow_change_the_key_and_never_shrink():
-    slots = fused.ExceptionSlots()
+    slots = fused_remainder.ExceptionSlots()
     assert slots.key() is None and slots.nbytes() == 0
     slots.reserve(2, 2048, torch.device("cpu"))
     first = slots.key()
@@ -51,8 +53,8 @@ def test_slots_that_grow_change_the_key_and_never_shrink():
 
 def test_counts_and_slots_share_one_buffer_without_overlap_and_read_back_together(monkeypatch):
     for width in (32, 3):  # the kernels' rows, and an odd width (a row then ends mid-word)
-        monkeypatch.setattr(fused, "_MAX_RUN_CHUNKS", width)
-        slots = fused.ExceptionSlots()
+        monkeypatch.setattr(fused_remainder, "_MAX_RUN_CHUNKS", width)
+        slots = fused_remainder.ExceptionSlots()
         slots.reserve(3, 100, torch.device("cpu"))
         slots.found.fill_(7)
         slots.counts.fill_(-1)  # every count of every row: the slots must not change

@@ -6,7 +6,7 @@ the set is a harmless rewrite); the kernels as they are must pass both (the cont
 
 Each mutant runs in a process of its own, forked from one that has imported torch and
 Triton: a mutant that writes past a buffer cannot disturb the next one. The fused
-module's constants are shrunk there (as in ``test_fused_codec_interpreted.py``) so that
+modules' constants are shrunk there (as in ``test_fused_codec_interpreted.py``) so that
 the self-test's lengths, which follow them, cross chunk and program edges cheaply.
 
 Not in the set, since the interpreter cannot show them (it runs the kernels with numpy,
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_plugins.optimizers.formats import convert, fused, quant8
+from miles_plugins.optimizers.formats import convert, fused, fused_remainder, quant8
 from miles_plugins.optimizers.formats.kernel_self_test import (
     KernelMismatch,
     compare_quant8,
@@ -155,7 +155,7 @@ def _random_moment(g, signed: bool, sqrt: bool):
     values, ties at a random scale, small values of one sign, zeros of either sign,
     non-finite values among others, subnormals."""
     block = quant8.BLOCK
-    midpoints = quant8._tables(signed, torch.device("cpu"))[1]
+    midpoints = quant8.tables(signed, torch.device("cpu"))[1]
 
     def uniform(lo: float, hi: float) -> float:
         return lo + (hi - lo) * float(torch.rand(1, generator=g))
@@ -218,14 +218,14 @@ def _random_mains(g):
     mains = []
     for _ in range(randint(1, 3)):
         n = randint(1, 6 * fused.SCRATCH_ELEMENTS)
-        mode, capacity = randint(0, 2), fused.exception_capacity(n)
+        mode, capacity = randint(0, 2), fused_remainder.exception_capacity(n)
         count = [0, min(n, randint(1, 20)), min(n, capacity + randint(-2, 4))][mode]
         mains.append(_random_main(g, n, count, randint(count, n)))
     groups = []
     if torch.rand(1, generator=g) < 0.5:
         first = len(mains)
         for _ in range(randint(2, 3)):
-            n = randint(1, 2 * fused._SPAN)
+            n = randint(1, 2 * fused.ELEMENTS_PER_PROGRAM)
             count = randint(0, min(n, 8))
             mains.append(_random_main(g, n, count, n))
         groups.append(list(range(first, len(mains))))
@@ -288,7 +288,7 @@ def main() -> None:
     import triton  # noqa: F401  (once, before the forks)
 
     fused.SCRATCH_ELEMENTS, fused.PACKED_MAX_ELEMENTS, convert.CHUNK_ELEMENTS = 1024, 512, 512
-    fused._ROWS, fused._SPAN, fused._SLOTS_MIN = 4, 256, 64
+    fused.BLOCKS_PER_PROGRAM, fused.ELEMENTS_PER_PROGRAM, fused_remainder._SLOTS_MIN = 4, 256, 64
     verdicts = {"control": _run_isolated(None)}
     for name in MUTANTS:
         verdicts[name] = _run_isolated(name)

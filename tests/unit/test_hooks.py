@@ -2,6 +2,7 @@
 iteration directory per checkpoint format, the save/load dispatch into real stores,
 and the refusal of a tree without the hooks."""
 
+import contextlib
 import re
 import sys
 import types
@@ -108,7 +109,7 @@ def _checkpointing(monkeypatch, **attrs) -> None:
     "attrs, message",
     [
         ({}, "lacks the optimizer-state checkpoint hooks: its checkpoints would silently drop"),
-        ({hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION + 1}, "carries checkpoint hooks for ABI 2, this plugin speaks 1"),
+        ({hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION + 1}, "carries checkpoint hooks for ABI 3, this plugin speaks 2"),
         (
             {hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: None},
             "is patched but its hooks module is None, not megatron_hooks.checkpoint",
@@ -129,6 +130,14 @@ def test_check_patched_refuses_a_tree_it_cannot_trust(monkeypatch, attrs, messag
 def test_check_patched_accepts_a_tree_patched_for_this_abi(monkeypatch):
     _checkpointing(monkeypatch, **{hooks.PATCH_MARKER: hooks.HOOK_ABI_VERSION, hooks.HOOKS_NAME: hooks})
     hooks.check_patched()
+
+
+def test_a_tree_patched_for_abi_1_is_answered_with_synchronous_saves_and_said_so(monkeypatch, caplog):
+    """ABI 1's save passes no async request: its trees still stream, saving synchronously."""
+    _checkpointing(monkeypatch, **{hooks.PATCH_MARKER: 1, hooks.HOOKS_NAME: hooks})
+    with caplog.at_level("WARNING"):
+        hooks.check_patched()
+    assert "with --async-save the streamed optimizer state is saved synchronously there" in caplog.text
 
 
 def _loaded_at(tmp_path, iteration_name, **args):
@@ -234,3 +243,53 @@ def test_a_torch_dist_load_is_not_judged_by_the_tracker(tmp_path):
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("20")
     hooks.load(types.SimpleNamespace(ckpt_format="torch", use_distributed_optimizer=True), holder, name, "GLOBAL")
     front.close()
+
+
+def _async_checkpoint(tmp_path, chain, fault=None):
+    """What Megatron's save_checkpoint does with --async-save, in its order: its request
+    (megatron-core's own AsyncRequest), the hook, rank 0's tracker finalize added after;
+    then the finalize functions run in order, as its queue runs them once its own part is
+    written. Returns (what the finalize functions did, the error that stopped them)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from tests.faults import FaultPlan
+
+    done, name = [], str(tmp_path / "ckpt" / "iter_0000002")
+    request = AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[lambda: done.append("megatron")])
+    plan = FaultPlan(tmp_path / "ckpt", "write", nth=1, fault=fault, times=None) if fault else None
+    with plan or contextlib.nullcontext():
+        hooks.save(types.SimpleNamespace(no_save_optim=False), chain, name, "GLOBAL", request)
+        request.add_finalize_fn(lambda: done.append("tracker"))
+        try:
+            for finalize in request.finalize_fns:
+                finalize()
+        except RuntimeError as exc:
+            return done, exc
+    return done, None
+
+
+def test_with_an_async_request_the_stores_save_in_the_background_before_the_tracker(tmp_path):
+    (_, s0, h0), (_, s1, h1) = streamed(tmp_path, "rank0.opt0", 0), streamed(tmp_path, "rank0.opt1", 1)
+    done, failure = _async_checkpoint(tmp_path, Chain(h0, h1))
+    assert failure is None and done == ["megatron", "tracker"]
+    saved = tmp_path / "ckpt" / "iter_0000002" / hooks.STATE_DIRNAME
+    assert sorted(p.name for p in saved.iterdir()) == ["rank0.opt0", "rank0.opt1"]
+    for front in (s0, s1):
+        front.close()
+
+
+def test_a_failed_background_save_keeps_the_tracker_from_marking_the_checkpoint(tmp_path):
+    """The finalize raises before the tracker's, on every rank: the ranks agree on it
+    through a collective (here a gloo group of one: the all-reduce runs for real)."""
+    (_, s0, h0), (_, s1, h1) = streamed(tmp_path, "rank0.opt0", 0), streamed(tmp_path, "rank0.opt1", 1)
+    init = f"file://{tmp_path / 'group'}"
+    torch.distributed.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        done, failure = _async_checkpoint(tmp_path, Chain(h0, h1), fault="eio")
+    finally:
+        torch.distributed.destroy_process_group()
+    assert done == ["megatron"], "the tracker must not be written"
+    assert "was not saved (this rank's failed" in str(failure)
+    assert "the checkpoint is not marked complete" in str(failure)
+    for front in (s0, s1):
+        front.close()

@@ -30,7 +30,7 @@ from megatron.core.optimizer import OptimizerConfig  # noqa: E402
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range  # noqa: E402
 
 from megatron_hooks.checkpoint import HooksNotInstalledError  # noqa: E402
-from megatron_hooks.contract import HOOK_ABI_VERSION, STORE_ATTR  # noqa: E402
+from megatron_hooks.contract import STORE_ATTR  # noqa: E402
 from miles_plugins.optimizers import (  # noqa: E402
     CheckpointMismatchError,
     StoreUnusableError,
@@ -41,7 +41,7 @@ from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget  # noqa: E4
 from miles_plugins.optimizers.homes.device_backing import DeviceBacking  # noqa: E402
 from miles_plugins.optimizers.megatron.binding import MegatronBinding  # noqa: E402
 from miles_plugins.optimizers.megatron.deferred_mains import MainsWithoutStorage, deferred_mains  # noqa: E402
-from miles_plugins.optimizers.megatron.state_dict import STREAMED_STATE_KEY  # noqa: E402
+from miles_plugins.optimizers.megatron.state_dict import MARKER_VERSION, STREAMED_STATE_KEY  # noqa: E402
 from miles_plugins.optimizers.store import plan as store_module  # noqa: E402
 from tests.helpers import SimulatedDevice  # noqa: E402
 from tests.unit.reference import same_bytes  # noqa: E402
@@ -288,7 +288,7 @@ def test_the_state_dict_family_carries_options_and_a_marker_never_the_state(tmp_
     train(opt, binding, range(2))
     state = opt.state_dict()
     assert set(state) == {"optimizer"}
-    assert state["optimizer"][STREAMED_STATE_KEY] == {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": 2}
+    assert state["optimizer"][STREAMED_STATE_KEY] == {"hook_abi_version": MARKER_VERSION, "steps_taken": 2}
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [LR]
     assert "state" not in state["optimizer"] and "params" not in state["optimizer"]["param_groups"][0]
     sharded = opt.sharded_state_dict({}, is_loading=False)
@@ -345,7 +345,7 @@ def test_a_state_from_another_save_is_refused_before_it_changes_anything(tmp_pat
     "marker, message",
     [
         (None, "written without optimizer-state streaming"),
-        ({"hook_abi_version": HOOK_ABI_VERSION + 1, "steps_taken": 1}, "written with hook ABI"),
+        ({"hook_abi_version": MARKER_VERSION + 1, "steps_taken": 1}, "written with hook ABI"),
     ],
 )
 def test_a_state_dict_that_cannot_be_resumed_is_refused(tmp_path, marker, message):

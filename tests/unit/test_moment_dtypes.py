@@ -122,7 +122,7 @@ def test_the_stored_square_root_is_correctly_rounded():
 
 
 @pytest.mark.parametrize("numel", [256, 257, 1000, 1536, 5000])
-def test_in_place_narrowing_and_widening_match_the_out_of_place_codes_across_chunks(monkeypatch, numel):
+def test_in_place_encoding_and_decoding_match_the_out_of_place_codes_across_chunks(monkeypatch, numel):
     """Chunks of 512 elements make every size above cross chunk boundaries."""
     monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 512)
     g = torch.Generator().manual_seed(numel)
@@ -131,11 +131,11 @@ def test_in_place_narrowing_and_widening_match_the_out_of_place_codes_across_chu
         x = x * x if sqrt else x
         codes, scales = quant8.quantize_chunk(x, signed, sqrt)
         t = x.clone()
-        quant8.narrow_in_place(t, signed, sqrt)
+        quant8.encode_in_place(t, signed, sqrt)
         stored = t.view(torch.uint8)[: quant8.stored_nbytes(numel)]
         assert torch.equal(stored[:numel], codes), moment
         assert torch.equal(stored[numel:].clone().view(torch.float32), scales), moment
-        quant8.widen_in_place(t, signed, sqrt)
+        quant8.decode_in_place(t, signed, sqrt)
         expected = quant8.dequantize_chunk(codes, scales, signed)
         assert same_bytes(t, expected.square() if sqrt else expected), moment
 
@@ -149,13 +149,13 @@ def test_storing_a_stored_moment_again_gives_the_same_bytes():
             x = torch.randn(1000, generator=g) * torch.exp(torch.randn(1000, generator=g) * 3)
             x[::256] = -x.abs().max() * 2  # every block's maximum negative (exp_avg)
             x = x * x if sqrt else x
-            quant8.narrow_in_place(x, signed, sqrt)
+            quant8.encode_in_place(x, signed, sqrt)
             first = x.view(torch.uint8)[: quant8.stored_nbytes(1000)].clone()
-            quant8.widen_in_place(x, signed, sqrt)
+            quant8.decode_in_place(x, signed, sqrt)
             decoded = x.clone()
-            quant8.narrow_in_place(x, signed, sqrt)
+            quant8.encode_in_place(x, signed, sqrt)
             assert torch.equal(x.view(torch.uint8)[: quant8.stored_nbytes(1000)], first), moment
-            quant8.widen_in_place(x, signed, sqrt)
+            quant8.decode_in_place(x, signed, sqrt)
             assert same_bytes(x, decoded), moment
 
 

@@ -162,3 +162,21 @@ def test_a_git_apply_that_fails_after_its_check_leaves_the_file_and_says_why(tre
     assert cli.main(["apply", "--megatron-dir", str(tree)]) == 2
     assert "is unchanged: error: unable to write file: Read-only file system" in capsys.readouterr().err
     assert target(tree).read_bytes() == before
+
+
+def test_a_tree_patched_for_abi_1_reverts_with_its_own_series_and_takes_this_one(tree):
+    """An upgrade: the tree carries ABI 1's series (its save passes no async request);
+    revert finds that series under patches/abi1, and this version's applies after it."""
+    original = target(tree).read_bytes()
+    patching._apply_series(tree, patching.series(patching.DEFAULT_PATCHES_DIR / "abi1"), reverse=False)
+    assert (patching.status(tree).state, patching.status(tree).abi) == ("other-abi", 1)
+    with pytest.raises(patching.PatchError, match="Revert those hooks first"):
+        patching.apply(tree)
+    assert patching.revert(tree).startswith("reverted 3 patches")
+    assert target(tree).read_bytes() == original
+    patching.apply(tree)
+    assert "ckpt_type, async_save_request)" in target(tree).read_text()
+    # The async request is a local of save_checkpoint, set before the hook runs.
+    lines = target(tree).read_text().splitlines()
+    hook = next(i for i, line in enumerate(lines) if "_optimizer_state_hooks.save(" in line)
+    assert any("async_save_request = None" in line for line in lines[:hook])

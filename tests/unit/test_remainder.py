@@ -74,14 +74,14 @@ def test_chunked_round_trip_crosses_chunk_boundaries(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-def test_narrow_then_widen_in_place_equals_a_plain_cast(monkeypatch, dtype):
+def test_encode_then_decode_in_place_equals_a_plain_cast(monkeypatch, dtype):
     monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 5)
     values = torch.randn(333, generator=torch.Generator().manual_seed(2))
     expected = values.to(dtype).float()
     work = values.clone()
-    stored = convert.narrow_in_place(work, dtype)
+    stored = convert.encode_in_place(work, dtype)
     assert torch.equal(stored.float(), expected)
-    convert.widen_in_place(work, dtype)
+    convert.decode_in_place(work, dtype)
     assert torch.equal(work, expected)
 
 

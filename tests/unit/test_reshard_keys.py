@@ -214,8 +214,8 @@ def test_8bit_moments_are_decoded_and_quantized_again_in_the_new_entries_blocks(
                 expected = local_of(facts[e.name], lambda k, s, w=what: before[k][w])[cut].clone()
                 signed, sqrt = quant8.MOMENT_FORMATS[what]
                 if quant8.quantizes(expected.numel()):  # the saved values, quantized in this entry's blocks
-                    quant8.narrow_in_place(expected, signed, sqrt)
-                    quant8.widen_in_place(expected, signed, sqrt)
+                    quant8.encode_in_place(expected, signed, sqrt)
+                    quant8.decode_in_place(expected, signed, sqrt)
                 assert torch.equal(got, expected), (e.name, what)
     b.close()
 

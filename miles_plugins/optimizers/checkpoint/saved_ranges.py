@@ -136,7 +136,7 @@ def requantized_segment(name: str, numel: int, ranges: Iterable[tuple[SavedEntry
                 saved, c.source_offset + first * c.source_stride, (count - 1) * c.source_stride + c.count, signed, sqrt
             )
             _place_rows(values, span, c, first, count, 1)
-    quant8.narrow_in_place(values, signed, sqrt)
+    quant8.encode_in_place(values, signed, sqrt)
     return bytes_of(values)[: quant8.stored_nbytes(numel)]
 
 

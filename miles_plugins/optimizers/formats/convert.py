@@ -1,15 +1,15 @@
 """Storage-format conversions done inside the fp32 tensor's own storage.
 
-A bucket's fp32 moments (and remainder mains) are stored narrower than they
-compute. Converting through a full-size temporary would add that temporary to
+A bucket's fp32 moments (and remainder mains) are stored in fewer bytes than
+they compute in. Converting through a full-size temporary would add that temporary to
 the device memory of every bucket in flight; instead the stored bytes live in
 the first bytes of the fp32 tensor's storage, and conversions walk it in chunks
 in the one direction that never overwrites bytes still to be read:
 
-- widening (stored -> fp32) goes back to front: fp32 chunk ``[s, e)`` covers
+- decoding (stored -> fp32) goes back to front: fp32 chunk ``[s, e)`` covers
   stored elements ``[2s, 2e)`` (for a 2-byte format), which are either in this
   chunk (copied out first) or in later chunks (already converted);
-- narrowing (fp32 -> stored) goes front to back: stored chunk ``[s, e)`` covers
+- encoding (fp32 -> stored) goes front to back: stored chunk ``[s, e)`` covers
   fp32 elements ``[s/2, e/2)``, all already read.
 
 Each chunk is read into a small temporary before anything is written (the
@@ -33,13 +33,15 @@ def stored_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def chunks(n: int, backwards: bool = False) -> Iterator[tuple[int, int]]:
+    """Chunks ``[s, e)`` of ``n`` elements, ``CHUNK_ELEMENTS`` each (the last shorter),
+    front to back or back to front."""
     starts = range(0, n, CHUNK_ELEMENTS)
     for start in reversed(starts) if backwards else starts:
         yield start, min(start + CHUNK_ELEMENTS, n)
 
 
 @torch.no_grad()
-def widen_in_place(t: torch.Tensor, stored: torch.dtype) -> None:
+def decode_in_place(t: torch.Tensor, stored: torch.dtype) -> None:
     """``t`` (fp32) holds its values in format ``stored`` in its first bytes; make them fp32."""
     src, dst = stored_view(t, stored), t.view(-1)
     for s, e in chunks(t.numel(), backwards=True):
@@ -47,7 +49,7 @@ def widen_in_place(t: torch.Tensor, stored: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def narrow_in_place(t: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
+def encode_in_place(t: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
     """Rewrite ``t`` (fp32) in format ``stored`` into its first bytes; returns that view.
     ``t``'s fp32 values are gone afterwards."""
     src, dst = t.view(-1), stored_view(t, stored)

@@ -1,8 +1,9 @@
-"""The fused kernels' self-test: ``fused.kernels`` runs it on a device before trusting
-the kernels there. Crafted values go through the kernels' host functions
-(``fused.quant8_narrow`` and the others) on the device, and every stored byte is compared
-with what the reference formulations (``quant8.py``, ``remainder.py``) store on the CPU;
-a difference raises :class:`KernelMismatch`.
+"""The fused kernels' self-test: the registry (``kernels.for_device``) runs it on a device
+before trusting the kernels there. Crafted values go through the kernels' host functions
+(``fused.quant8_encode``, ``fused_remainder.RemainderEncoding`` and the others) on the
+device, and every stored byte is compared with what the reference formulations
+(``quant8.py``, ``remainder.py``) store on the CPU; a difference raises
+:class:`KernelMismatch`.
 
 The crafted values are chosen so that each way a kernel can go wrong moves some byte:
 
@@ -40,7 +41,8 @@ from types import ModuleType
 
 import torch
 
-from miles_plugins.optimizers.formats import fused, quant8, remainder
+from miles_plugins.optimizers.formats import fused, fused_remainder, quant8, remainder
+from miles_plugins.optimizers.formats.convert import stored_view
 
 _CPU = torch.device("cpu")
 # The scales of the tie blocks: 1 (the ties are the midpoints themselves), non-powers of
@@ -79,7 +81,7 @@ def check_quant8(module: ModuleType, device: torch.device) -> None:
 def _moment_blocks(signed: bool, sqrt: bool) -> torch.Tensor:
     """The crafted blocks of one moment format, end to end (more than a program's)."""
     block = quant8.BLOCK
-    midpoints = quant8._tables(signed, _CPU)[1]
+    midpoints = quant8.tables(signed, _CPU)[1]
     roots = []  # the values whose quotients by the block's scale are coded
     for d in _TIE_SCALES:
         scale = torch.tensor([d])
@@ -96,37 +98,38 @@ def _moment_blocks(signed: bool, sqrt: bool) -> torch.Tensor:
     nan[9], nan[10] = float("nan"), -float("nan")
     subnormal = ramp * 1e-39  # not squared: the square root's inputs subnormal
     blocks += [subnormal, torch.zeros(block), torch.full((block,), -0.0), infinite, nan]
-    copies = -(-(fused._ROWS + 1) // len(blocks))  # a launch of more blocks than one program takes
+    copies = -(-(fused.BLOCKS_PER_PROGRAM + 1) // len(blocks))  # a launch of more blocks than one program takes
     return torch.cat(blocks * copies)
 
 
 def compare_quant8(
     module: ModuleType, device: torch.device, values: torch.Tensor, signed: bool, sqrt: bool, what: str
 ) -> None:
-    """Narrow the fp32 ``values`` (on the CPU, at least a block) in place on ``device`` with
-    the kernels, widen them back, and compare each step's bytes with the reference's."""
+    """Encode the fp32 ``values`` (on the CPU, at least a block) in place on ``device`` with
+    the kernels, decode them back, and compare each step's bytes with the reference's."""
     n, blocks = values.numel(), -(-values.numel() // quant8.BLOCK)
     expected = values.clone()
-    quant8.narrow_in_place(expected, signed, sqrt)
-    expected_codes, expected_scales = quant8._codes_and_scales(expected)
+    quant8.encode_in_place(expected, signed, sqrt)
+    expected_codes, expected_scales = quant8.codes_and_scales(expected)
     buffer, scale_buffer = _in_buffer(values, device), _in_buffer(torch.empty(0), device, blocks + _TAIL)
     flat, scales = buffer[:n], scale_buffer[:blocks]
-    codes = quant8._codes_and_scales(flat)[0]
-    fused.quant8_narrow(flat, codes, scales, quant8._search_guide(signed, device), sqrt, quant8.BLOCK, module)
-    _same(what + ": codes", expected_codes, codes)
-    _same(what + ": scales", expected_scales.clone().view(torch.float32), scales)
-    _untouched(what + ": past the scales", scale_buffer, blocks)
-    quant8.widen_in_place(expected, signed, sqrt)
-    fused.quant8_widen(flat, codes, scales, quant8._tables(signed, device)[0], sqrt, quant8.BLOCK, module)
-    _same(what + ": values", expected, flat)
-    _untouched(what + ": past the values", buffer, n)
+    codes = quant8.codes_and_scales(flat)[0]
+    fused.quant8_encode(flat, codes, scales, fused.quant8_guide(signed, device), sqrt, quant8.BLOCK, module)
+    _expect_same_bytes(what + ": codes", expected_codes, codes)
+    _expect_same_bytes(what + ": scales", expected_scales.clone().view(torch.float32), scales)
+    _expect_sentinels(what + ": past the scales", scale_buffer, blocks)
+    quant8.decode_in_place(expected, signed, sqrt)
+    fused.quant8_decode(flat, codes, scales, quant8.tables(signed, device)[0], sqrt, quant8.BLOCK, module)
+    _expect_same_bytes(what + ": values", expected, flat)
+    _expect_sentinels(what + ": past the values", buffer, n)
 
 
 def check_remainder(module: ModuleType, device: torch.device) -> None:
     """The long main across every kind of chunk, then a packed group of two small ones."""
-    s, span = fused.SCRATCH_ELEMENTS, fused._SPAN
+    s, span = fused.SCRATCH_ELEMENTS, fused.ELEMENTS_PER_PROGRAM
     n = 4 * s + 2 * span + 5
-    overflow = torch.linspace(0, 2 * s - 1, fused.exception_capacity(n) + 1, dtype=torch.float64).round().long()
+    slots = fused_remainder.exception_capacity(n)
+    overflow = torch.linspace(0, 2 * s - 1, slots + 1, dtype=torch.float64).round().long()
     edges = torch.tensor([2 * s, 2 * s + 1, 4 * s - 1, 4 * s, 4 * s + span - 1, 4 * s + span, n - 1])
     mains = [
         _main(n, torch.cat([overflow, edges]), seed=0),
@@ -169,32 +172,33 @@ def compare_remainder(
     param_buffers = [_in_buffer(p, device) for p in params]
     flats = [b[: m.numel()] for b, m in zip(buffers, mains, strict=True)]
     on_device = [b[: p.numel()] for b, p in zip(param_buffers, params, strict=True)]
-    lows = [remainder.stored_view(f, remainder.STORAGE_DTYPE) for f in flats]
-    encoding = fused.RemainderEncoding(flats, on_device, lows, singles, groups, fused.ExceptionSlots(), module)
+    lows = [stored_view(f, remainder.STORAGE_DTYPE) for f in flats]
+    encoding = fused_remainder.RemainderEncoding(
+        flats, on_device, lows, singles=singles, groups=groups, slots=fused_remainder.ExceptionSlots(), kernels=module
+    )
     encoding.launch()
-    found = encoding.finish(reference=remainder._exceptions)
+    found = encoding.finish()
     whats = [f"remainder main {k} of {m.numel()} elements" for k, m in enumerate(mains)]
     for k in singles + grouped:
-        _same(whats[k] + ": low bits", remainder.stored_view(expected[k], remainder.STORAGE_DTYPE), lows[k])
-        index, high = found[k]
-        _same(whats[k] + ": exceptions' elements", exceptions[k].index, index)
-        _same(whats[k] + ": exceptions' high halves", exceptions[k].high, high)
-        _untouched(whats[k] + ": past the main", buffers[k], mains[k].numel())
-        _untouched(whats[k] + ": past the param", param_buffers[k], params[k].numel())
+        _expect_same_bytes(whats[k] + ": low bits", stored_view(expected[k], remainder.STORAGE_DTYPE), lows[k])
+        _expect_same_bytes(whats[k] + ": exceptions' elements", exceptions[k].index, found[k].index)
+        _expect_same_bytes(whats[k] + ": exceptions' high halves", exceptions[k].high, found[k].high)
+        _expect_sentinels(whats[k] + ": past the main", buffers[k], mains[k].numel())
+        _expect_sentinels(whats[k] + ": past the param", param_buffers[k], params[k].numel())
 
     def decoded(k: int) -> None:
-        fused.put_exceptions(flats[k], *found[k])
-        _same(whats[k] + ": decoded", mains[k].view(torch.int32), flats[k].view(torch.int32))
-        _untouched(whats[k] + ": past the decoded main", buffers[k], mains[k].numel())
+        remainder.put_exceptions(flats[k], found[k])
+        _expect_same_bytes(whats[k] + ": decoded", mains[k].view(torch.int32), flats[k].view(torch.int32))
+        _expect_sentinels(whats[k] + ": past the decoded main", buffers[k], mains[k].numel())
 
     # Singles first: a decoder that writes past its end shows in their tails before a
     # packed group's decode writes past the end of its own temporary.
     for k in singles:
-        fused.remainder_widen(flats[k], on_device[k], lows[k], module)
+        fused.remainder_decode_by_rule(flats[k], on_device[k], lows[k], module)
         decoded(k)
     for group in groups:
         members = [flats[k] for k in group], [on_device[k] for k in group], [lows[k] for k in group]
-        fused.remainder_widen_packed(*members, module)
+        fused.remainder_decode_by_rule_packed(*members, module)
         for k in group:
             decoded(k)
 
@@ -210,7 +214,7 @@ def _in_buffer(t: torch.Tensor, device: torch.device, size: int | None = None) -
     return buffer
 
 
-def _untouched(what: str, buffer: torch.Tensor, n: int) -> None:
+def _expect_sentinels(what: str, buffer: torch.Tensor, n: int) -> None:
     """Raise unless ``buffer`` (from :func:`_in_buffer`) still holds the sentinel after element ``n``."""
     if not torch.equal(_bits(buffer[n:].cpu()), _sentinels(buffer.dtype, buffer.numel() - n)):
         raise KernelMismatch(f"self-test: {what}: written")
@@ -227,7 +231,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def _same(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
+def _expect_same_bytes(what: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     """Raise unless ``got`` (on any device) holds ``expected``'s bytes; fp32 NaNs: any
     NaN, since their bits differ by device."""
     got = got.cpu()

@@ -1,24 +1,23 @@
-"""Blockwise 8-bit moments, stored inside the fp32 tensor's own storage.
+"""Blockwise 8-bit moments, stored inside the fp32 tensor's own storage: the format's
+definition and its reference formulation.
 
 The method is 8-bit Adam's (Dettmers et al., 2021, "8-bit Optimizers via
 Block-wise Quantization") as bitsandbytes implements it: blocks of ``BLOCK``
 elements, each scaled by its absolute maximum, each element stored as the
 index of the nearest value of a 256-value *dynamic map* (an exponent and a
 shrinking fraction: about 7 decades below the block's maximum). The moments are
-only *stored* this way: a bucket widens them to fp32, the master optimizer runs
-its own exact update, and they are narrowed again.
+only *stored* this way: a bucket decodes them to fp32, the master optimizer runs
+its own exact update, and they are encoded again.
 
 - ``exp_avg`` uses the signed map.
 - ``exp_avg_sq`` stores its square root on the unsigned map (bitsandbytes
   stores ``exp_avg_sq`` itself). Squared gradients span twice the decades of
   the gradients, and the map ends about 7 decades below the block maximum:
   stored directly, the smallest ones become 0, and the update of such an
-  element is ``exp_avg / eps``. Measured on the demo model after 200 steps
-  (``python -m bench.moment_formats``), the update's denominator
-  sqrt(exp_avg_sq) moved by a median 0.20% stored directly and 0.28% as its
-  square root, but stored directly 3 in a million became 0 (max error 100%),
-  as a square root none did (max error 10.8%). The square root costs a
-  little precision at the top of each block and removes the failure.
+  element is ``exp_avg / eps``; as a square root they keep a code. The square
+  root costs a little precision at the top of each block and removes the
+  failure (``python -m bench.moment_formats`` compares both; docs/design.md
+  gives its figures).
 
 Stored form of an entry of ``n`` elements: ``n`` one-byte codes, then
 ``ceil(n / BLOCK)`` fp32 scales (raw bytes, right after the codes). Blocks
@@ -31,12 +30,13 @@ Non-finite values poison their block: a NaN or inf anywhere in a block decodes
 as NaN or inf across it (fp32 storage would keep them to their elements; either
 way a non-finite gradient has already ruined that state).
 
-On CUDA with Triton installed, ``fused.py`` does both directions in fused kernels
-that give the same bytes; the functions here are the reference (and the CPU path).
+The functions here are the reference (torch ops: the CPU path, and the bytes the
+fused kernels of ``fused.py`` must store on CUDA); ``entry_codecs.py`` chooses
+between them.
 
 Both directions work chunk by chunk in the one order that never overwrites bytes
-still to be read (as ``convert.py``): narrowing front to back (chunk ``[s, e)``'s
-codes land on bytes ``[s, e)``, fp32 elements already read), widening back to
+still to be read (as ``convert.py``): encoding front to back (chunk ``[s, e)``'s
+codes land on bytes ``[s, e)``, fp32 elements already read), decoding back to
 front. The scales are collected in (or copied out to) a small tensor of
 ``n / BLOCK`` values, so the device scratch is one chunk plus 1/256 of the entry.
 """
@@ -48,7 +48,6 @@ import zlib
 
 import torch
 
-from miles_plugins.optimizers.formats import fused
 from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks
 
 # Elements per block: bitsandbytes' 8-bit optimizers use 256. Scales then cost
@@ -96,16 +95,10 @@ FORMAT_ID = (
 
 # Cached for the process (never evicted): the codec's CUDA graphs hold their addresses.
 @functools.cache
-def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The map on ``device`` and the midpoints between neighbours (what rounds where)."""
     values = dynamic_map(signed).to(device)
     return values, (values[:-1] + values[1:]) / 2
-
-
-@functools.cache
-def _search_guide(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused quantizer's tables for the map (``fused.search_guide``), on ``device``."""
-    return tuple(t.to(device) for t in fused.search_guide(_tables(signed, torch.device("cpu"))[1]))
 
 
 def quantizes(numel: int) -> bool:
@@ -120,7 +113,7 @@ def stored_nbytes(numel: int) -> int:
     return numel + -(-numel // BLOCK) * SCALE_DTYPE.itemsize
 
 
-def _codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The uint8 views of ``t``'s storage that hold the codes and the scales."""
     n = t.numel()
     raw = t.view(-1).view(torch.uint8)
@@ -129,9 +122,8 @@ def _codes_and_scales(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sqrt_(t: torch.Tensor) -> None:
     """``t.sqrt_()`` of the fp32 ``t``, correctly rounded on every device, as CUDA's and
-    the fused kernel's ``sqrt_rn`` are: torch's CPU square root is not always (with
-    torch 2.13 on an x86 host, about 1 in 150 roots of arbitrary values round the other
-    way, whatever its vector width). The root of an fp32 in float64 rounded to fp32 is
+    the fused kernel's ``sqrt_rn`` are: torch's CPU square root is not always, whatever
+    its vector width (docs/design.md). The root of an fp32 in float64 rounded to fp32 is
     the correctly rounded fp32 root (53 >= 2 * 24 + 2 bits), whatever the float64 root's
     last bit. A slice at a time: 8 bytes of scratch per element of the slice."""
     step = CHUNK_ELEMENTS // 8
@@ -146,7 +138,7 @@ def quantize_chunk(x: torch.Tensor, signed: bool, sqrt: bool = False) -> tuple[t
     square root with ``sqrt``), blocks starting at ``x[0]``. New tensors: the
     caller places them. ``x`` is read before anything is returned. Scratch:
     9 bytes per element of ``x``, the 1-byte codes included."""
-    values, midpoints = _tables(signed, x.device)
+    values, midpoints = tables(signed, x.device)
     n, blocks = x.numel(), -(-x.numel() // BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
     padded[:n].copy_(x)  # zero padding leaves the last block's maximum as it is
@@ -170,7 +162,7 @@ def dequantize_chunk(
     """fp32 values of ``codes`` (blocks starting at ``codes[0]``) under ``scales``,
     into ``out`` when given (it may overlap ``codes``: they are read first).
     Scratch: 4 bytes per code."""
-    values, _ = _tables(signed, codes.device)
+    values, _ = tables(signed, codes.device)
     n, full = codes.numel(), codes.numel() // BLOCK * BLOCK
     index = codes.int()  # every code read before out is written
     out = torch.index_select(
@@ -184,7 +176,7 @@ def dequantize_chunk(
 
 
 @torch.no_grad()
-def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
+def encode_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     """Rewrite the fp32 tensor ``t`` in its stored form, in its first
     ``stored_nbytes`` bytes; its fp32 values are gone afterwards (an entry too
     small to quantize is its own stored form: left as it is). ``sqrt``: store
@@ -192,61 +184,28 @@ def narrow_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     if not quantizes(t.numel()):
         return
     flat = t.view(-1)
-    codes_out, scales_out = _codes_and_scales(t)
+    codes_out, scales_out = codes_and_scales(t)
     scales = torch.empty(-(-flat.numel() // BLOCK), dtype=SCALE_DTYPE, device=t.device)
-    if fused.applies(t):
-        fused.quant8_narrow(flat, codes_out, scales, _search_guide(signed, t.device), sqrt, BLOCK)
-    else:
-        for s, e in chunks(flat.numel()):
-            # quantize_chunk reads the whole chunk before its codes are written over it.
-            codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
-            codes_out[s:e].copy_(codes)
-            del codes  # before the next chunk's scratch is allocated
+    for s, e in chunks(flat.numel()):
+        # quantize_chunk reads the whole chunk before its codes are written over it.
+        codes, scales[s // BLOCK : -(-e // BLOCK)] = quantize_chunk(flat[s:e], signed, sqrt)
+        codes_out[s:e].copy_(codes)
+        del codes  # before the next chunk's scratch is allocated
     # Bytes [n, n + 4 * blocks) are fp32 elements [n / 4, ...): all read by now.
     scales_out.copy_(scales.view(torch.uint8))
 
 
 @torch.no_grad()
-def widen_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
+def decode_in_place(t: torch.Tensor, signed: bool, sqrt: bool) -> None:
     """Turn ``t``'s stored form (just read into its first bytes) back into fp32, in place."""
     if not quantizes(t.numel()):
         return
     flat = t.view(-1)
-    codes_in, scales_in = _codes_and_scales(t)
+    codes_in, scales_in = codes_and_scales(t)
     scales = scales_in.clone().view(SCALE_DTYPE)  # the first chunks' fp32 values land on them
-    if fused.applies(t):
-        fused.quant8_widen(flat, codes_in, scales, _tables(signed, t.device)[0], sqrt, BLOCK)
-        return
     for s, e in chunks(flat.numel(), backwards=True):
         # fp32 chunk [s, e) is bytes [4s, 4e): its own codes (read first) and later
         # chunks' codes (converted already), never an earlier chunk's.
         dequantize_chunk(codes_in[s:e], scales[s // BLOCK : -(-e // BLOCK)], signed, out=flat[s:e])
         if sqrt:
             flat[s:e].square_()
-
-
-def narrow_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
-    """:func:`narrow_in_place` of every tensor, the small ones packed a group at a time
-    where the fused kernels serve (``fused.plan_packed``; the same bytes)."""
-    _each_or_packed(tensors, signed, sqrt, narrow_in_place, fused.quant8_narrow_packed, _search_guide)
-
-
-def widen_many(tensors: list[torch.Tensor], signed: bool, sqrt: bool) -> None:
-    """:func:`widen_in_place` of every tensor, the small ones packed as :func:`narrow_many`."""
-    _each_or_packed(tensors, signed, sqrt, widen_in_place, fused.quant8_widen_packed, lambda *a: _tables(*a)[0])
-
-
-def _each_or_packed(tensors, signed: bool, sqrt: bool, one, packed, table) -> None:
-    """``one(t, signed, sqrt)`` for the tensors ``fused.plan_packed`` leaves alone, and
-    ``packed`` for each of its groups, with the map's ``table(signed, device)``."""
-    singles, groups = fused.plan_packed(tensors, unit=BLOCK)
-    for k in singles:
-        one(tensors[k], signed, sqrt)
-    for group in groups:
-        packed(
-            [tensors[k].view(-1) for k in group],
-            [_codes_and_scales(tensors[k]) for k in group],
-            table(signed, tensors[group[0]].device),
-            sqrt,
-            BLOCK,
-        )

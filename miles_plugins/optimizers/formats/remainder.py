@@ -15,8 +15,10 @@ not a bit increment (NaN). Those elements are *exceptions*: their index and
 true ``hi`` are kept on the side, so the pair (low bits, exceptions) rebuilds
 every main exactly, whatever its value. 2 bytes per main instead of 4.
 
-On CUDA with Triton installed, ``fused.py`` does both directions in fused kernels
-(the same bytes, the same exceptions); the functions here are the reference.
+The functions here are the reference (and the CPU path); on CUDA with Triton
+installed the fused kernels do both directions (``fused_remainder.py`` encodes,
+``fused.py`` decodes by the rule) with the same bytes and exceptions, and
+``entry_codecs.py`` chooses between them.
 
 Both directions work inside the main's own storage, chunk by chunk (see
 ``convert.py`` for why the directions are safe): the low bits occupy the first
@@ -35,8 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_plugins.optimizers.formats import fused
-from miles_plugins.optimizers.formats.convert import chunks, stored_view
+from miles_plugins.optimizers.formats.convert import CHUNK_ELEMENTS, chunks, stored_view
 
 STORAGE_DTYPE = torch.int16  # the low 16 bits, as stored
 _TIE = -0x8000  # 0x8000 read as int16
@@ -76,7 +77,9 @@ def _guess_high(low: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return param.view(STORAGE_DTYPE) - rounded_up.to(STORAGE_DTYPE)
 
 
-def _chunk_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_exceptions(
+    flat: torch.Tensor, param: torch.Tensor, s: int, e: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exceptions of fp32 elements ``[s, e)`` (still fp32): flat indices and true high
     bits, on the CPU; and the chunk's low bits (a copy, read before any write)."""
     low, high = (h.clone() for h in _halves(flat[s:e]))
@@ -84,7 +87,7 @@ def _chunk_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -
     return index.cpu() + s, high[index].cpu(), low
 
 
-def _exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def find_exceptions(flat: torch.Tensor, param: torch.Tensor, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_chunk_exceptions` of elements ``[s, e)``, a conversion chunk at a time (the
     fused encoder's fallback: its chunks may be far longer than the conversion scratch)."""
     found = [_chunk_exceptions(flat, param, s + a, s + b)[:2] for a, b in chunks(e - s)]
@@ -97,8 +100,6 @@ def encode_in_place(main: torch.Tensor, param: torch.Tensor) -> Exceptions:
     (front to back); return what :func:`decode_in_place` needs beside ``param``.
     ``main``'s fp32 values are gone afterwards."""
     flat, param, out = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
-    if fused.applies(main):
-        return Exceptions.of(*fused.remainder_encode(flat, param, out, reference=_exceptions))
     indices, highs = [], []
     for s, e in chunks(main.numel()):
         index, high, low = _chunk_exceptions(flat, param, s, e)  # the chunk read before writing over it
@@ -116,19 +117,16 @@ def decode_in_place(main: torch.Tensor, param: torch.Tensor, exceptions: Excepti
     """``main`` holds its low 16 bits in the first half of its bytes (as
     :func:`encode_in_place` left them); rebuild the fp32 main from them, the unchanged
     bf16 ``param`` and the exceptions."""
-    widen_in_place(main, param)
+    decode_by_rule_in_place(main, param)
     put_exceptions(main, exceptions)
 
 
 @torch.no_grad()
-def widen_in_place(main: torch.Tensor, param: torch.Tensor) -> None:
+def decode_by_rule_in_place(main: torch.Tensor, param: torch.Tensor) -> None:
     """:func:`decode_in_place` but the exceptions (back to front): the high halves the
     rounding rule implies; :func:`put_exceptions` then corrects the exceptions'. Apart
     so that the codec's CUDA graphs can hold this part (it reads no host memory)."""
     flat, param, stored = main.view(-1), param.view(-1), stored_view(main, STORAGE_DTYPE)
-    if fused.applies(main):
-        fused.remainder_widen(flat, param, stored)
-        return
     for s, e in chunks(main.numel(), backwards=True):
         low = stored[s:e].clone()  # read the chunk before writing over it
         high = _guess_high(low, param[s:e])
@@ -137,72 +135,23 @@ def widen_in_place(main: torch.Tensor, param: torch.Tensor) -> None:
         out_high.copy_(high)
 
 
+@torch.no_grad()
 def put_exceptions(main: torch.Tensor, exceptions: Exceptions) -> None:
-    """The exceptions' true high halves into the fp32 ``main`` (after :func:`widen_in_place`)."""
-    if len(exceptions):
-        fused.put_exceptions(main.view(-1), exceptions.index, exceptions.high)
+    """The exceptions' true high halves into the fp32 ``main`` (after
+    :func:`decode_by_rule_in_place`, or the fused decoder's), in groups whose device
+    copies stay within the conversion scratch (10 bytes each): usually one group."""
+    flat = main.view(-1)
+    highs = _halves(flat)[1]
+    group = CHUNK_ELEMENTS // 4
+    for s in range(0, len(exceptions), group):
+        index, high = exceptions.index[s : s + group], exceptions.high[s : s + group]
+        highs[_to_device(index, flat.device)] = _to_device(high, flat.device)
 
 
-class Encoding:
-    """:func:`encode_in_place` of several mains (a bucket's) at once, in two halves:
-    :meth:`launch` queues the conversion, :meth:`finish` returns every main's exceptions.
-    Where the fused kernels serve, the small mains are packed a group at a time
-    (``fused.plan_packed``), nothing in :meth:`launch` reads back to the host (the
-    codec's CUDA graphs hold it) and :meth:`finish` waits on the device once for all;
-    elsewhere :meth:`launch` encodes by the reference. ``slots``: where the kernels
-    collect the exceptions (``fused.ExceptionSlots``; the codec keeps one so that its
-    addresses repeat), a new one when not given."""
-
-    def __init__(
-        self, mains: list[torch.Tensor], params: list[torch.Tensor], slots: fused.ExceptionSlots | None = None
-    ) -> None:
-        self.mains, self.params = mains, params
-        self._found: list[Exceptions] | None = None if mains else []
-        self._fused: fused.RemainderEncoding | None = None
-        if mains and fused.applies(mains[0]):
-            singles, groups = fused.plan_packed(mains)
-            self._fused = fused.RemainderEncoding(
-                [m.view(-1) for m in mains],
-                [p.view(-1) for p in params],
-                [stored_view(m, STORAGE_DTYPE) for m in mains],
-                singles,
-                groups,
-                slots or fused.ExceptionSlots(),
-            )
-
-    def key(self) -> tuple | None:
-        """What a CUDA graph of :meth:`launch` depends on beyond its tensors' addresses."""
-        return self._fused.key() if self._fused is not None else None
-
-    def launch(self) -> None:
-        if self._fused is not None:
-            self._fused.launch()
-        else:
-            self._found = [encode_in_place(m, p) for m, p in zip(self.mains, self.params, strict=True)]
-
-    def finish(self) -> list[Exceptions]:
-        if self._fused is not None:
-            return [Exceptions.of(*pair) for pair in self._fused.finish(reference=_exceptions)]
-        if self._found is None:
-            raise RuntimeError("remainder.Encoding.finish() before launch(): the reference path encodes in launch()")
-        return self._found
-
-
-def encode_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> list[Exceptions]:
-    """:func:`encode_in_place` of every main (beside its param), as :class:`Encoding`."""
-    encoding = Encoding(mains, params)
-    encoding.launch()
-    return encoding.finish()
-
-
-def widen_many(mains: list[torch.Tensor], params: list[torch.Tensor]) -> None:
-    """:func:`widen_in_place` of every main, the small ones packed as :func:`encode_many`."""
-    singles, groups = fused.plan_packed(mains)
-    for k in singles:
-        widen_in_place(mains[k], params[k])
-    for group in groups:
-        fused.remainder_widen_packed(
-            [mains[k].view(-1) for k in group],
-            [params[k].view(-1) for k in group],
-            [stored_view(mains[k], STORAGE_DTYPE) for k in group],
-        )
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the CPU) on ``device``. To CUDA through a pinned copy: from pageable memory
+    a copy holds the host until the device has run everything queued before it (an
+    entry's decode), which then idles while the host catches up."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,5 +1,6 @@
 """The Triton kernels behind ``fused.py`` (which documents what they compute and why
-it is exact): imported only on a first CUDA conversion, where Triton is installed."""
+it is exact) and ``fused_remainder.py``: imported by the registry (``kernels.py``) only
+when the kernels are first wanted, where Triton is installed."""
 
 import triton
 import triton.language as tl

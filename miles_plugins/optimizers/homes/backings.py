@@ -174,13 +174,29 @@ class FileBacking:
         """The slot a step wrote becomes the state (one-slot buckets were written in place)."""
         self.committed = 1 - self.committed
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
-        """Copy the bucket's committed bytes into an open file, through ``crc``."""
-        handle = self.open(bucket, in_place=True)
+    def snapshot(self) -> int:
+        """The committed slot: a step writes the other one, the step after it this one."""
+        return self.committed
+
+    def overwrites(self, bucket: BucketLayout, snapshot: int) -> bool:
+        return not self.keeps_previous_state_of(bucket) or 1 - self.committed == snapshot
+
+    def export(
+        self,
+        bucket: BucketLayout,
+        dst_fd: int,
+        dst_path: str,
+        buffer: HostMemory,
+        crc: BlockCrc,
+        snapshot: int | None = None,
+    ) -> None:
+        """Copy the bucket's committed bytes (or the slot ``snapshot`` names) into an open file, through ``crc``."""
+        path = self.path(bucket, snapshot)
+        fd = open_file(path, os.O_RDONLY)
         try:
-            copy_file_crc32(handle.read_fd, handle.read_path, dst_fd, dst_path, bucket.file_size, buffer.view, crc)
+            copy_file_crc32(fd, path, dst_fd, dst_path, bucket.file_size, buffer.view, crc)
         finally:
-            handle.close()
+            os.close(fd)
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from an open file into the spare slot (the live state
@@ -265,7 +281,21 @@ class BufferHandle:
         pass
 
 
-class HostBacking:
+class WrittenInPlace:
+    """What a backing with one copy of each bucket (memory) answers: a step writes over
+    the live bytes, so a snapshot names them as they are and every write overwrites them."""
+
+    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
+        return False
+
+    def snapshot(self) -> None:
+        return None
+
+    def overwrites(self, bucket: BucketLayout, snapshot: None) -> bool:
+        return True
+
+
+class HostBacking(WrittenInPlace):
     """The state in one host buffer per bucket, pinned when CUDA is available
     (device copies then run as DMA at full PCIe speed). One copy: a step writes
     in place (a second would double the host memory this tier exists to use)."""
@@ -286,9 +316,6 @@ class HostBacking:
                 errno.ENOMEM,
             ) from exc
 
-    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
-        return False
-
     def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
         """Files and host memory lend no bytes to device tensors (``DeviceBacking.lends``)."""
         return False
@@ -301,7 +328,9 @@ class HostBacking:
     def commit(self) -> None:
         pass
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
+    def export(
+        self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc, snapshot: None = None
+    ) -> None:
         data = self.buffers[bucket.index].view
         pwrite_full(dst_fd, dst_path, 0, data)
         crc.update(data)

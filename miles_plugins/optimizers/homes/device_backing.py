@@ -15,12 +15,12 @@ import torch
 
 from miles_plugins.optimizers.errors import StreamIOError
 from miles_plugins.optimizers.formats.layout import BucketLayout
-from miles_plugins.optimizers.homes.backings import BufferHandle
+from miles_plugins.optimizers.homes.backings import BufferHandle, WrittenInPlace
 from miles_plugins.optimizers.homes.file_io import BlockCrc, pread_full, pwrite_full
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 
-class DeviceBacking:
+class DeviceBacking(WrittenInPlace):
     """The state in one buffer per bucket in the compute device's memory (the
     ``gpu`` home): a step updates fp32-stored tensors in the buffer itself (their
     tensors share its bytes for the bucket's visit) and copies the others in and
@@ -59,9 +59,6 @@ class DeviceBacking:
     def remove(self, bucket: BucketLayout) -> None:
         """Free one bucket's memory (it went back to its place below)."""
         del self.buffers[bucket.index]
-
-    def keeps_previous_state_of(self, bucket: BucketLayout) -> bool:
-        return False
 
     def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
         """Whether :meth:`open`'s handle lends the bucket's bytes to tensors on ``device``
@@ -116,7 +113,9 @@ class DeviceBacking:
     def commit(self) -> None:
         pass
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
+    def export(
+        self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc, snapshot: None = None
+    ) -> None:
         """Copy the bucket's bytes into an open file through the host ``buffer``, chunk by chunk."""
         data = self._buffer(bucket)
         for start in range(0, data.numel(), buffer.nbytes):

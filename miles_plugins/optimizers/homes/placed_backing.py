@@ -102,8 +102,24 @@ class PlacedBacking:
         for backing in self.by_key.values():
             backing.commit()
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
-        self._of(bucket).export(bucket, dst_fd, dst_path, buffer, crc)
+    def snapshot(self) -> dict[Hashable, object]:
+        """Each place's snapshot (the places do not change while one is in use: moves wait for it)."""
+        return {key: backing.snapshot() for key, backing in self.by_key.items()}
+
+    def overwrites(self, bucket: BucketLayout, snapshot: dict[Hashable, object]) -> bool:
+        return self._of(bucket).overwrites(bucket, snapshot[self.keys[bucket.index]])
+
+    def export(
+        self,
+        bucket: BucketLayout,
+        dst_fd: int,
+        dst_path: str,
+        buffer: HostMemory,
+        crc: BlockCrc,
+        snapshot: dict[Hashable, object] | None = None,
+    ) -> None:
+        place = None if snapshot is None else snapshot[self.keys[bucket.index]]
+        self._of(bucket).export(bucket, dst_fd, dst_path, buffer, crc, snapshot=place)
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         self._of(bucket).restore(bucket, src_fd, src_path, buffer, crc)

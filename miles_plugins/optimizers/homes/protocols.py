@@ -116,8 +116,25 @@ class Backing(Protocol):
     def lends(self, bucket: BucketLayout, device: torch.device) -> bool:
         """Whether the handles lend the bucket's bytes to tensors on ``device`` (:meth:`Handle.view_of`)."""
 
-    def export(self, bucket: BucketLayout, dst_fd: int, dst_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
-        """Copy the bucket's live bytes into the open file ``dst_fd``."""
+    def snapshot(self) -> object:
+        """A token naming every bucket's live bytes as they are now, for :meth:`export`
+        while steps go on (a background save): they stay as they are until a step's
+        write :meth:`overwrites` them, which the caller orders after their export."""
+
+    def overwrites(self, bucket: BucketLayout, snapshot: object) -> bool:
+        """Whether the next step's writes of ``bucket`` land on the bytes ``snapshot`` names
+        (always where the bucket is written in place; on its next-but-one step for a spare)."""
+
+    def export(
+        self,
+        bucket: BucketLayout,
+        dst_fd: int,
+        dst_path: str,
+        buffer: HostMemory,
+        crc: BlockCrc,
+        snapshot: object = None,
+    ) -> None:
+        """Copy the bucket's live bytes (those ``snapshot`` names, when given) into the open file ``dst_fd``."""
 
     def restore(self, bucket: BucketLayout, src_fd: int, src_path: str, buffer: HostMemory, crc: BlockCrc) -> None:
         """Copy the bucket's bytes from the open file ``src_fd`` into its spare (live at

@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
 from miles_plugins.optimizers.homes import auto_budget, memory_probes
@@ -159,8 +160,8 @@ class MegatronBinding:
     def before_next_step(self, check) -> None:
         self.store.before_next_step(check)
 
-    def save_to(self, base_dir: str) -> None:
-        self.store.save_to(base_dir)
+    def save_to(self, base_dir: str, *, asynchronous: bool = False) -> BackgroundSave | None:
+        return self.store.save_to(base_dir, asynchronous=asynchronous)
 
     def load_from(self, base_dir: str) -> bool:
         expected = self._awaiting_state

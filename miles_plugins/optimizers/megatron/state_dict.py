@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_hooks.contract import HOOK_ABI_VERSION
 from miles_plugins.optimizers.errors import CheckpointMismatchError
 
 # Marks a state dict written by a streamed optimizer: it holds param-group options
 # and the grad scaler only; the param state is in the store's files.
 STREAMED_STATE_KEY = "streamed_optimizer_state"
+# The marker's format, under its "hook_abi_version" key (the hooks' ABI when it was
+# made; it stays 1 while the marker means what it does, whatever the hooks' ABI).
+MARKER_VERSION = 1
 
 
 def streamed_state_dict(dist_opt: Any, steps_taken: int) -> dict:
@@ -24,7 +26,7 @@ def streamed_state_dict(dist_opt: Any, steps_taken: int) -> dict:
     state = {
         "optimizer": {
             "param_groups": groups,
-            STREAMED_STATE_KEY: {"hook_abi_version": HOOK_ABI_VERSION, "steps_taken": steps_taken},
+            STREAMED_STATE_KEY: {"hook_abi_version": MARKER_VERSION, "steps_taken": steps_taken},
         }
     }
     if dist_opt.grad_scaler:
@@ -43,10 +45,10 @@ def load_streamed_state_dict(dist_opt: Any, state_dict: dict) -> dict:
             "here would restart Adam from zero behind your back. Resume it without streaming, or load "
             "with --no-load-optim to start the optimizer fresh from the loaded params"
         )
-    if marker.get("hook_abi_version") != HOOK_ABI_VERSION:
+    if marker.get("hook_abi_version") != MARKER_VERSION:
         raise CheckpointMismatchError(
             f"this checkpoint's streamed optimizer state was written with hook ABI "
-            f"{marker.get('hook_abi_version')}, this version reads {HOOK_ABI_VERSION}"
+            f"{marker.get('hook_abi_version')}, this version reads {MARKER_VERSION}"
         )
     groups = dist_opt.optimizer.param_groups
     saved_groups = state_dict["optimizer"]["param_groups"]

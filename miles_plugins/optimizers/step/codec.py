@@ -10,9 +10,9 @@ in storage are in the segment's dtype (``layout.Segment.dtype``):
   8-bit codes with per-block scales (``quant8.py``).
 
 The stored bytes always live in the first bytes of the fp32 tensor's own
-storage: a read fills them there and :meth:`Codec.decode` widens them in place;
-:meth:`Codec.encode` narrows in place before a write, a bucket's entries at once
-(on CUDA, small entries are converted packed: see ``fused.plan_packed``, and a
+storage: a read fills them there and :meth:`Codec.decode` decodes them in place;
+:meth:`Codec.encode` encodes in place before a write, a bucket's entries at once
+(``formats/entry_codecs.py``: on CUDA, small entries are converted packed, and a
 bucket's conversions are replayed from a CUDA graph once its addresses repeat: see
 ``graphs.py``). No full-size temporary.
 
@@ -26,8 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_plugins.optimizers.formats import fused, quant8, remainder
-from miles_plugins.optimizers.formats.convert import narrow_in_place, widen_in_place
+from miles_plugins.optimizers.formats import convert, entry_codecs, fused_remainder, kernels, quant8, remainder
 from miles_plugins.optimizers.formats.layout import BucketLayout, Segment
 from miles_plugins.optimizers.step.graphs import BucketGraphs
 
@@ -49,9 +48,9 @@ class Codec:
         self.graphs = BucketGraphs()  # on CUDA with the fused kernels: see graphs.py
         # The fused remainder encoder's exception slots, kept for the graphs; the largest
         # bucket's reserved at the first encode, so that their addresses repeat from then on.
-        self.slots = fused.ExceptionSlots()
+        self.slots = fused_remainder.ExceptionSlots()
         remainders = [b.numels for b in buckets if b.streams_main and self.is_remainder(b.segments["main"])]
-        needed = [fused.slots_needed(list(numels)) for numels in remainders] or [(0, 0)]
+        needed = [fused_remainder.slots_needed(list(numels)) for numels in remainders] or [(0, 0)]
         self._slots_needed = (max(rows for rows, _ in needed), max(total for _, total in needed))
 
     @staticmethod
@@ -68,7 +67,7 @@ class Codec:
         """Turn the stored forms (just read) of ``items`` (entries of ``bucket``) into
         fp32, in place."""
         groups = self._by_conversion(items)
-        self._run(("decode", bucket.index), groups, lambda: self._widen(groups))
+        self._run(("decode", bucket.index), groups, lambda: self._decode_groups(groups))
         # After the graph (they come from host memory): the remainder exceptions.
         for _, k, tensor, _ in dict(groups).get("remainder", ()):
             remainder.put_exceptions(tensor, self.exceptions[bucket.index][k])
@@ -80,15 +79,17 @@ class Codec:
         groups = self._by_conversion(items)
         mains = dict(groups).get("remainder", [])
         rest = [(kind, group) for kind, group in groups if kind != "remainder"]
-        if mains and fused.applies(mains[0][2]):
+        if mains and kernels.serve(mains[0][2]):
             self.slots.reserve(*self._slots_needed, mains[0][2].device)
-        encoding = remainder.Encoding([t for _, _, t, _ in mains], [param for *_, param in mains], self.slots)
+        encoding = entry_codecs.RemainderBucketEncoding(
+            [t for _, _, t, _ in mains], [param for *_, param in mains], self.slots
+        )
 
-        def narrow() -> None:
-            self._narrow(rest)
+        def encode_all() -> None:
+            self._encode_groups(rest)
             encoding.launch()
 
-        self._run(("encode", bucket.index), groups, narrow, encoding.key())
+        self._run(("encode", bucket.index), groups, encode_all, encoding.key())
         # After the graph: the remainder exceptions, read back from the device.
         for (_, k, _, _), exceptions in zip(mains, encoding.finish(), strict=True):
             self.exceptions[bucket.index][k] = exceptions
@@ -103,7 +104,7 @@ class Codec:
         """``convert()`` of ``groups``, through ``self.graphs`` where the fused kernels serve
         (``extra``: what else the conversion's addresses depend on)."""
         tensors = [(kind, tensor, param) for kind, group in groups for _, _, tensor, param in group]
-        if not tensors or not fused.applies(tensors[0][1]):
+        if not tensors or not kernels.serve(tensors[0][1]):
             convert()
             return
         # The param's address only where the conversion reads it: a moved param (an RL
@@ -114,26 +115,26 @@ class Codec:
         self.graphs.run(slot, key, tensors[0][1].device, convert)
 
     @staticmethod
-    def _widen(groups: list[tuple[object, list[Item]]]) -> None:
+    def _decode_groups(groups: list[tuple[object, list[Item]]]) -> None:
         for kind, group in groups:
             tensors = [tensor for _, _, tensor, _ in group]
             if kind == "remainder":
-                remainder.widen_many(tensors, [param for *_, param in group])
+                entry_codecs.remainder_decode_by_rule_many(tensors, [param for *_, param in group])
             elif kind in quant8.MOMENT_FORMATS:
-                quant8.widen_many(tensors, *quant8.MOMENT_FORMATS[kind])
+                entry_codecs.quant8_decode_many(tensors, *quant8.MOMENT_FORMATS[kind])
             else:
                 for tensor in tensors:
-                    widen_in_place(tensor, kind)
+                    convert.decode_in_place(tensor, kind)
 
     @staticmethod
-    def _narrow(groups: list[tuple[object, list[Item]]]) -> None:
+    def _encode_groups(groups: list[tuple[object, list[Item]]]) -> None:
         for kind, group in groups:
             tensors = [tensor for _, _, tensor, _ in group]
             if kind in quant8.MOMENT_FORMATS:
-                quant8.narrow_many(tensors, *quant8.MOMENT_FORMATS[kind])
+                entry_codecs.quant8_encode_many(tensors, *quant8.MOMENT_FORMATS[kind])
             else:
                 for tensor in tensors:
-                    narrow_in_place(tensor, kind)
+                    convert.encode_in_place(tensor, kind)
 
     def _by_conversion(self, items: Sequence[Item]) -> list[tuple[object, list[Item]]]:
         """``items`` whose stored form differs from fp32, grouped by conversion: "remainder",

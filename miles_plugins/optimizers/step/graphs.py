@@ -17,7 +17,7 @@ again. At most one graph per bucket and direction.
 
 What a graph must not hold stays out of it, and the codec runs it after the replay:
 the remainder encoder's exceptions are read back to the host (from slots at fixed
-addresses, ``fused.ExceptionSlots``), and the decoder's exceptions, which come
+addresses, ``fused_remainder.ExceptionSlots``), and the decoder's exceptions, which come
 from host memory, are put eagerly.
 
 Memory: a codec's graphs share one private pool of the caching allocator (they

@@ -113,6 +113,9 @@ class Pipeline(BucketMover):
         self._prefetch_stats = StepStats()
         # Buckets a walk left with deferred writes, oldest first (see land()).
         self.landing: deque[Flight] = deque()
+        # A wait the caller asks for before each bucket is fetched, given its index: a
+        # background save that has yet to copy the bytes the bucket's writes would change.
+        self.before_fetch: Callable[[int], None] | None = None
 
     # ---- the walk ------------------------------------------------------------------
 
@@ -204,7 +207,10 @@ class Pipeline(BucketMover):
         self._read_ahead(index, index + self.depth - 1, ahead, writing, stats, wait=drain)
 
     def fetch(self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False) -> Flight:
-        """:meth:`BucketMover.fetch`, once bucket ``index``'s last write has landed."""
+        """:meth:`BucketMover.fetch`, once bucket ``index``'s last write has landed (and
+        :attr:`before_fetch` has returned)."""
+        if self.before_fetch is not None:
+            self.before_fetch(index)
         if self._landing(index):
             self.land(through=index)  # a bucket is read only after its last write has landed
         return super().fetch(index, stats, moments, beside_training)

@@ -82,7 +82,7 @@ class AssembledStore:
         (``bounds.step_device_bytes_bound``). On CUDA the codec's graphs keep about one
         bucket's conversion scratch reserved between steps, in a pool of their own
         (``step/graphs.py``), which this does not count again, and the remainder
-        encoder's exception slots stay allocated (``fused.ExceptionSlots``: 8 KiB per
+        encoder's exception slots stay allocated (``fused_remainder.ExceptionSlots``: 8 KiB per
         encoder run of the largest bucket, 2 bytes per 1024 elements of a run beyond
         4M, and as much pinned host memory), not counted either."""
         return step_device_bytes_bound(

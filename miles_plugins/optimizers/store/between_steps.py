@@ -3,9 +3,12 @@ is touched outside a step.
 
 Between steps the pipeline may hold buckets read ahead for the next step
 (``prefetch``) and, with an overlap window, the last step's deferred writes still
-landing (``progress`` moves both along). Saves, loads, refreshes, the gpu home's
-moves and reading the state back first *settle*: every deferred write landed,
-every prefetched read dropped, the store still usable.
+landing (``progress`` moves both along); a background save may be copying the
+state as a snapshot left it (``checkpoint/background.py``), each step waiting,
+bucket by bucket, for the bytes it would overwrite. Saves, loads, refreshes, the
+gpu home's moves, reading the state back and closing first *settle*: the
+background save ended, every deferred write landed, every prefetched read
+dropped, the store still usable.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.config import StreamConfig
 from miles_plugins.optimizers.step.pipeline import LandingError
 from miles_plugins.optimizers.store.health import StoreHealth
@@ -40,6 +44,27 @@ class BetweenSteps:
     ) -> None:
         self._pipeline, self._window, self._health = parts.pipeline, parts.window, health
         self._config, self._steps_taken = config, steps_taken
+        self._background: BackgroundSave | None = None
+
+    def start_background(self, save: BackgroundSave) -> None:
+        """Run ``save`` beside the steps that follow (the store is settled): each of their
+        fetches waits for the bytes it would overwrite (``BackgroundSave.before_overwrite``)."""
+        self._background = save
+        self._pipeline.before_fetch = save.before_overwrite
+        save.start()
+
+    def end_background(self) -> None:
+        """Wait until a background save has ended (its error is its owner's to see: it
+        was logged when it happened, and ``BackgroundSave.wait`` raises it)."""
+        save, self._background = self._background, None
+        if save is None:
+            return
+        try:
+            save.wait()
+        except Exception:  # noqa: BLE001 - reported by the save and its handle
+            pass
+        finally:
+            self._pipeline.before_fetch = None
 
     def land(self, block: bool = False) -> None:
         """Move the deferred writes along (``Pipeline.land``); a failure leaves the store refusing."""
@@ -82,9 +107,11 @@ class BetweenSteps:
                 self._health.note_hang()
 
     def settle(self) -> None:
-        """Before touching the stored state outside a step: forget prefetched reads
-        (they may hang: the store then refuses), and check the store may go on."""
+        """Before touching the stored state outside a step: wait for a background save,
+        forget prefetched reads (they may hang: the store then refuses), and check the
+        store may go on."""
         self._health.check_open()
+        self.end_background()
         self.land(block=True)
         self.drop_prefetch()
         self._health.check_open()

@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.checkpoint.reader import CheckpointReader
 from miles_plugins.optimizers.checkpoint.writer import CheckpointWriter
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.store.assembled import AssembledStore
@@ -254,11 +256,29 @@ class StreamingStore(AssembledStore):
         self._settle()
         self._steps.write_mains(copy_fn)
 
-    def save_to(self, base_dir: str) -> None:
+    def save_to(self, base_dir: str, *, asynchronous: bool = False) -> BackgroundSave | None:
         """Save the full state under ``base_dir/<name>``; a previous save there is
-        replaced in one step (see ``checkpoint/writer.py``). Call between steps."""
+        replaced in one step (see ``checkpoint/writer.py``). Call between steps.
+
+        ``asynchronous``: return once the state is snapshotted (``checkpoint/background.py``)
+        and write it on a thread of its own while training goes on; the returned
+        :class:`BackgroundSave`'s ``wait()`` says when it is complete and in place. A save
+        started before it has ended waits for it first, as do loads, refreshes, the gpu
+        home's moves, reading the state back and :meth:`close`."""
         self._settle()
-        CheckpointWriter(self._parts.persistence).save(base_dir, self.steps_taken)
+        writer = CheckpointWriter(self._parts.persistence)
+        if not asynchronous:
+            writer.save(base_dir, self.steps_taken)
+            return None
+        # Its own staging (the engine's is the steps' from now on), one chunk.
+        buffer = HostMemory(self.config.staging_bytes, pin=torch.cuda.is_available())
+        try:
+            save = BackgroundSave(writer.begin(base_dir, self.steps_taken, buffer), self.buckets, buffer.release)
+        except BaseException:
+            buffer.release()
+            raise
+        self._between_steps.start_background(save)
+        return save
 
     def load_from(self, base_dir: str, *, expected_steps: int | None = None) -> bool:
         """Restore the state ``save_to`` left under ``base_dir/<name>``; False when
@@ -278,6 +298,7 @@ class StreamingStore(AssembledStore):
         """Delete the stored state (scratch files or host buffers) and release the directory lock."""
         if self.health.closed:
             return
+        self._between_steps.end_background()  # it reads the state about to be deleted
         self._pipeline.drop_landing()  # the state is deleted: what has not gone out need not
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
