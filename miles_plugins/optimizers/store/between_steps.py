@@ -49,22 +49,23 @@ class BetweenSteps:
     def start_background(self, save: BackgroundSave) -> None:
         """Run ``save`` beside the steps that follow (its transfers finished): each of their
         fetches waits for the bytes it would overwrite (``BackgroundSave.before_overwrite``)."""
+        save.start()
         self._background = save
         self._pipeline.before_fetch = save.before_overwrite
-        save.start()
 
     def end_background(self) -> None:
         """Wait until a background save has ended (its error is its owner's to see: it
-        was logged when it happened, and ``BackgroundSave.wait`` raises it)."""
-        save, self._background = self._background, None
+        was logged when it happened, and ``BackgroundSave.wait`` raises it). The guard
+        goes only then: an interrupt during the wait leaves both as they were."""
+        save = self._background
         if save is None:
             return
         try:
             save.wait()
         except Exception:  # noqa: BLE001 - reported by the save and its handle
             pass
-        finally:
-            self._pipeline.before_fetch = None
+        self._background = None
+        self._pipeline.before_fetch = None
 
     def advance_deferred_writes(self, block: bool = False) -> None:
         """Move the deferred writes along (``Pipeline.advance_deferred_writes``); a failure leaves the store refusing."""
@@ -93,6 +94,8 @@ class BetweenSteps:
             return
         self._health.check_open()
         self.advance_deferred_writes()
+        if self._background is not None and not self._background.done():
+            return  # its guard could make a read ahead wait, and progress never waits
         try:
             self._window.read_ahead()
         finally:
