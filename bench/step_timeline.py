@@ -1,7 +1,7 @@
 """Where a store step's time goes on the GPU: one step's timeline, per stream and kind.
 
     python -m bench.step_timeline [--layers 20] [--hidden 2048] [--vocab 50304] [--seq 2048]
-        [--tier host] [--gpu-budget-gb 6.4] [--window-gb 1.75] [--depth 3] [--bucket-cap N] [--steps 7]
+        [--tier host] [--gpu-budget-gb 6.4] [--window-gb 1.75] [--buckets-in-flight 3] [--bucket-cap N] [--steps 7]
         [--pause-s 1.9] [--out bench-results/step_timeline.json] [--trace FILE.json.gz]
 
 The store's own step, without Megatron: the params of a GPT of the given shape
@@ -124,7 +124,7 @@ def _store(args: argparse.Namespace, directory: str, device: torch.device) -> tu
         tier=args.tier,
         gpu_budget_bytes=int(args.gpu_budget_gb * GIB),
         overlap_bytes=int(args.window_gb * GIB),
-        buckets_in_flight=args.depth,
+        buckets_in_flight=args.buckets_in_flight,
         bucket_cap_elements=args.bucket_cap,
     )
     return streamed_store(params, grads, config, lr=1e-4), sum(sizes)
@@ -141,7 +141,7 @@ def timeline(args: argparse.Namespace, device: torch.device) -> tuple[dict, dict
         try:
             print(
                 f"[timeline] {params / 1e9:.3f}B params in {len(store.buckets)} buckets, placement "
-                f"{store.placement}, window {args.window_gb} GiB, {args.depth} in flight",
+                f"{store.placement}, window {args.window_gb} GiB, {args.buckets_in_flight} in flight",
                 flush=True,
             )
             steps = []
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tier", choices=("host", "disk"), default="host")
     parser.add_argument("--gpu-budget-gb", type=float, default=6.4, help="GiB of stored state in the gpu home")
     parser.add_argument("--window-gb", type=float, default=1.75, help="the overlap window, GiB (0: none)")
-    parser.add_argument("--depth", type=int, default=3, help="buckets in flight")
+    parser.add_argument("--buckets-in-flight", type=int, default=3, help="buckets in flight")
     parser.add_argument("--bucket-cap", type=int, default=DEFAULT_BUCKET_CAP_ELEMENTS, help="elements per bucket")
     parser.add_argument("--steps", type=int, default=7, help="timed steps before the profiled one")
     parser.add_argument("--pause-s", type=float, default=1.9, help="between steps, standing in for fwd+bwd")
@@ -203,9 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench-results/step_timeline.json")
     parser.add_argument("--trace", default=None, help="also keep the profiler's Chrome trace here (.json.gz)")
     args = parser.parse_args(argv)
-    if min(args.steps, args.depth, args.bucket_cap) < 1 or min(args.pause_s, args.gpu_budget_gb, args.window_gb) < 0:
+    if (
+        min(args.steps, args.buckets_in_flight, args.bucket_cap) < 1
+        or min(args.pause_s, args.gpu_budget_gb, args.window_gb) < 0
+    ):
         raise SystemExit(
-            "bench.step_timeline: --steps, --depth and --bucket-cap must be 1 or more; budgets and pause not negative"
+            "bench.step_timeline: --steps, --buckets-in-flight and --bucket-cap must be 1 or more; budgets and pause not negative"
         )
     if not torch.cuda.is_available():
         raise SystemExit("bench.step_timeline: needs a CUDA device (the timeline is of its streams)")

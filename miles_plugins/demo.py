@@ -161,7 +161,7 @@ def _report(
         "engine": args.engine,
         "bit_identical": identical,
         "buckets": streamed["buckets"],
-        "buckets_in_flight": config.depth,
+        "buckets_in_flight": config.max_in_flight,
         **{key: streamed[key] for key in _STREAMED_FIGURES},
         "seconds_resident": round(resident["seconds"], 4),
         "seconds_streamed": round(streamed["seconds"], 4),

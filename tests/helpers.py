@@ -288,14 +288,14 @@ class SimulatedDevice:
 
     def steps_set_the_peak(self, store) -> None:
         """From now on ``store``'s steps use the activity (grads, Adam's temporaries: what
-        forward and backward leave) plus its buckets in flight: the ``depth`` largest, each
+        forward and backward leave) plus its buckets in flight: the ``max_in_flight`` largest, each
         its fp32 state, but a bucket of the gpu home only its converted segments (its fp32
         ones share the home's bytes: ``Pipeline._share``)."""
 
         def step() -> int:
             homes = store.placed.homes
             sizes = [b.converted_bytes if homes[b.index] == "gpu" else b.materialized_bytes for b in store.buckets]
-            return self.activity + sum(sorted(sizes, reverse=True)[: store.config.depth])
+            return self.activity + sum(sorted(sizes, reverse=True)[: store.config.max_in_flight])
 
         self.step = step
 

@@ -267,7 +267,7 @@ class StreamConfig:
         return self.engine == "pipelined"
 
     @property
-    def depth(self) -> int:
+    def max_in_flight(self) -> int:
         """Buckets materialized at once: the sync baseline holds one."""
         return self.buckets_in_flight if self.pipelined else 1
 

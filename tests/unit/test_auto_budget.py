@@ -304,8 +304,8 @@ def test_where_the_step_sets_the_peak_a_bucket_given_back_frees_less_and_more_fo
     each within the margin, until the peak fits; then nothing moves."""
     model, optimizer, scheduler, streamed = _auto(tmp_path, tier="host")
     store = streamed.store
-    depth = store.config.depth
-    streamed_first = sum(sorted((b.materialized_bytes for b in store.buckets), reverse=True)[:depth])
+    max_in_flight = store.config.max_in_flight
+    streamed_first = sum(sorted((b.materialized_bytes for b in store.buckets), reverse=True)[:max_in_flight])
     device = SimulatedDevice(headroom=MARGIN + store.file_bytes_total + streamed_first)  # room for all
     device.held = lambda: store.home_bytes["gpu"]
     store.auto_gpu.memory = device
@@ -321,7 +321,7 @@ def test_where_the_step_sets_the_peak_a_bucket_given_back_frees_less_and_more_fo
         assert device.limit() - device.peak() >= 0, step  # no step went past the device
     settled = placements[-1]
     assert len(store.buckets) - settled > 1  # more than one bucket went back
-    assert placements.index(settled) <= depth  # within as many steps as buckets fit in flight
+    assert placements.index(settled) <= max_in_flight  # within as many steps as buckets fit in flight
     assert all(p == settled for p in placements[placements.index(settled) :])  # then nothing moves
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, STEPS), state_of(model, streamed))
     streamed.close()

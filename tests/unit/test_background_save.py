@@ -161,3 +161,67 @@ def test_a_process_killed_during_a_background_save_resumes_from_the_previous_one
         f"loaded the step-{SAVE_AT} save; finished byte-identical to an uninterrupted run (STEPS={STEPS})",
         "the steps since the last checkpoint",
     )
+
+
+def test_an_interrupt_while_waiting_for_a_background_save_keeps_its_guard(tmp_path, monkeypatch):
+    """Ctrl-C while a later save waits for the running one: the running one is still
+    running and still guarded, so the steps after it cannot overwrite what it has to copy."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", bucket_cap_elements=CAP, tier="host")
+    train(model, optimizer, scheduler, range(SAVE_AT))
+    ckpt.mkdir()
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
+    with FaultPlan(ckpt, "write", nth=1, fault="hang", times=None, hang_s=SLOW_WRITE_S):
+        pending = streamed.save_to(str(ckpt), asynchronous=True)
+        real_wait = type(pending).wait
+
+        def interrupted(self, timeout_s=None):
+            monkeypatch.setattr(type(pending), "wait", real_wait)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(pending), "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            streamed.save_to(str(tmp_path / "other"))
+        assert not pending.done()
+        train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 3))  # in place: each waits for its bucket
+        pending.wait()
+    streamed.close()
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, bucket_cap_elements=CAP, tier="host")
+    assert streamed.load_from(str(ckpt))
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)
+
+
+def test_the_overlap_window_reads_nothing_ahead_while_a_background_save_runs(tmp_path):
+    """progress() never waits: with the save's guard in place it lands the deferred
+    writes and leaves the reads ahead to the next call after the save."""
+    model, optimizer, scheduler, streamed = fresh(
+        tmp_path, "rank0", bucket_cap_elements=CAP, tier="host", overlap_bytes=1 << 20
+    )
+    train(model, optimizer, scheduler, range(3))
+    with FaultPlan(tmp_path / "ckpt", "write", nth=1, fault="hang", times=None, hang_s=SLOW_WRITE_S):
+        pending = streamed.save_to(str(tmp_path / "ckpt"), asynchronous=True)
+        streamed.progress()
+        assert not streamed.store._pipeline._prefetched and not pending.done()
+        pending.wait()
+    streamed.progress()
+    assert streamed.store._pipeline._prefetched, "after the save the window reads ahead again"
+    streamed.close()
+
+
+def test_a_save_whose_thread_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch):
+    import threading
+
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", bucket_cap_elements=CAP)
+    train(model, optimizer, scheduler, range(2))
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        streamed.save_to(str(tmp_path / "ckpt"), asynchronous=True)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "ckpt") == [], "no partial directory, no lock file"
+    train(model, optimizer, scheduler, range(2, 3))  # no guard was left to wait on
+    streamed.save_to(str(tmp_path / "ckpt"))
+    streamed.close()

@@ -42,7 +42,7 @@ def test_a_small_run_on_the_cpu_reports_every_step_and_its_placement(tmp_path):
     # The real store and profiler on a tiny GPT (no device events on the CPU, so no timeline rows).
     args = step_timeline.argparse.Namespace(
         layers=2, hidden=64, vocab=256, seq=32, tier="host", gpu_budget_gb=0.0004, window_gb=0.0003,
-        depth=2, bucket_cap=20000, steps=2, pause_s=0.0, dir=str(tmp_path), out="", trace=None,
+        buckets_in_flight=2, bucket_cap=20000, steps=2, pause_s=0.0, dir=str(tmp_path), out="", trace=None,
     )  # fmt: skip
     report, trace = step_timeline.timeline(args, step_timeline.torch.device("cpu"))
     assert len(report["steps"]) == 3 and all(s["seconds"] > 0 for s in report["steps"])
@@ -53,5 +53,5 @@ def test_a_small_run_on_the_cpu_reports_every_step_and_its_placement(tmp_path):
 
 
 def test_bad_arguments_are_refused_before_anything_runs():
-    with pytest.raises(SystemExit, match="--steps, --depth and --bucket-cap"):
+    with pytest.raises(SystemExit, match="--steps, --buckets-in-flight and --bucket-cap"):
         step_timeline.main(["--steps", "0"])

@@ -151,10 +151,10 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
     the store refuses; the last checkpoint still resumes. (The interrupt is raised in
     the first of those waits, standing in for a signal's arrival there; the abort once
     swallowed it and released the memory.)"""
-    from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
+    from miles_plugins.optimizers.homes.transfer_batch import TransferBatch
 
     ckpt, model, optimizer, scheduler, streamed = _one_step_past_the_checkpoint(tmp_path)
-    wait = TransferTicket.wait
+    wait = TransferBatch.wait
     interrupts = []
 
     def interrupted_abort_wait(self, timeout_s=None):
@@ -163,7 +163,7 @@ def test_an_interrupt_while_a_failed_step_waits_for_its_transfers_leaves_their_m
             raise KeyboardInterrupt
         return wait(self, timeout_s)
 
-    monkeypatch.setattr(TransferTicket, "wait", interrupted_abort_wait)
+    monkeypatch.setattr(TransferBatch, "wait", interrupted_abort_wait)
     with FaultPlan(tmp_path / "scratch", "write", nth=12, fault="eio"), pytest.raises(KeyboardInterrupt):
         optimizer.step()
     assert len(interrupts) == 1

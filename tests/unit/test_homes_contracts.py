@@ -24,8 +24,8 @@ from miles_plugins.optimizers.homes.device_backing import DeviceBacking
 from miles_plugins.optimizers.homes.engines import PipelinedEngine, SyncEngine
 from miles_plugins.optimizers.homes.memory_probes import CudaMemory
 from miles_plugins.optimizers.homes.placed_backing import PlacedBacking
-from miles_plugins.optimizers.homes.protocols import Backing, DmaHandle, Engine, Handle, Ticket
-from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
+from miles_plugins.optimizers.homes.protocols import Backing, DmaHandle, Engine, Handle, PendingTransfers
+from miles_plugins.optimizers.homes.transfer_batch import TransferBatch
 from miles_plugins.optimizers.store.streaming_store import StreamingStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ CONTRACTS = [
     (Backing, PlacedBacking),
     (Engine, SyncEngine),
     (Engine, PipelinedEngine),
-    (Ticket, TransferTicket),
+    (PendingTransfers, TransferBatch),
     (DeviceMemory, CudaMemory),
     (BudgetedStore, StreamingStore),
 ]
@@ -103,7 +103,7 @@ def test_real_instances_pass_isinstance_for_their_protocols(tmp_path):
         for engine in (sync, pipelined):
             assert isinstance(engine, Engine), type(engine).__name__
             ticket = engine.read(handles[1], [(0, torch.empty(4096, dtype=torch.uint8))])
-            assert isinstance(ticket, Ticket) and isinstance(ticket, TransferTicket)
+            assert isinstance(ticket, PendingTransfers) and isinstance(ticket, TransferBatch)
             ticket.wait()
             assert ticket.done()
     finally:

@@ -88,7 +88,7 @@ def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine, moment_
         optimizer.zero_grad()
     store = streamed.store
     assert store.state_bytes_total >= 4 * store.bucket_bytes_max
-    assert 0 < store.accounted_max_state_bytes <= store.config.depth * store.bucket_bytes_max
+    assert 0 < store.accounted_max_state_bytes <= store.config.max_in_flight * store.bucket_bytes_max
     if engine == "pipelined":  # reads run ahead: more than one bucket was on the device at once
         assert store.accounted_max_state_bytes > store.bucket_bytes_max
     streamed.close()
@@ -97,7 +97,7 @@ def test_residency_never_exceeds_the_buckets_in_flight(tmp_path, engine, moment_
 def test_a_stalled_write_does_not_hold_up_the_next_bucket_already_read(tmp_path, monkeypatch):
     """The walk never waits for the newest write: the first bucket's write stalled 1 s
     (a slow drive) delays neither the second bucket's update nor the step's result
-    (that of resident AdamW), and the buckets in flight stay within ``depth``. Before,
+    (that of resident AdamW), and the buckets in flight stay within ``max_in_flight``. Before,
     the walk retired that write before it went on (each bucket's update waited for
     the write before it, so the writes never ran back to back)."""
     model, resident = _model().float(), _model().float()  # fp32 params: resident AdamW is the reference
@@ -127,7 +127,7 @@ def test_a_stalled_write_does_not_hold_up_the_next_bucket_already_read(tmp_path,
     ready = dict(decoded)
     assert ready[1] - start < 0.5, f"bucket 1 was ready {ready[1] - start:.2f} s into the step"
     store = streamed.store
-    assert store.accounted_max_state_bytes <= store.config.depth * store.bucket_bytes_max
+    assert store.accounted_max_state_bytes <= store.config.max_in_flight * store.bucket_bytes_max
     assert all(same_bytes(a, b) for a, b in zip(model.parameters(), resident.parameters(), strict=True))
     streamed.close()
 

@@ -86,7 +86,7 @@ def test_the_window_changes_when_transfers_run_not_what_they_compute(
     assert 0 < store.overlap_bytes_bound <= window
     held = []
     _train(model, optimizer, scheduler, streamed, range(SAVE_AT), held)
-    assert store._pipeline.landing, "the last step's writes must still be pending after it"
+    assert store._pipeline.deferred_writes, "the last step's writes must still be pending after it"
     streamed.save_to(str(tmp_path / "ckpt"))  # lands them first
     torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt" / "rest.pt")
     _train(model, optimizer, scheduler, streamed, range(SAVE_AT, STEPS), held)
@@ -119,19 +119,19 @@ def test_a_bucket_is_read_only_after_its_write_landed_and_the_window_is_never_ex
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=1 << 40)
     store, pipeline = streamed.store, streamed.store._pipeline
     _train(model, optimizer, scheduler, streamed, range(2))
-    deferred = {f.bucket.index for f in pipeline.landing}
+    deferred = {f.bucket.index for f in pipeline.deferred_writes}
     assert deferred == {b.index for b in store.buckets}, "a window larger than the state defers every write"
     # The window is larger than the state: what bounds it is the state, each bucket once.
     assert store.overlap_bytes_bound == store.state_bytes_total
 
     def check():
-        landing = {f.bucket.index for f in pipeline.landing}
+        deferred_writes = {f.bucket.index for f in pipeline.deferred_writes}
         read = [f.bucket.index for f in pipeline._prefetched]
         assert read == list(range(len(read))), "reads go in walk order"
-        assert not landing & set(read) and (not landing or max(read, default=-1) < min(landing))
+        assert not deferred_writes & set(read) and (not deferred_writes or max(read, default=-1) < min(deferred_writes))
         assert pipeline.accounting.current <= store.overlap_bytes_bound
 
-    _progress_until(streamed, lambda: not pipeline.landing, check)
+    _progress_until(streamed, lambda: not pipeline.deferred_writes, check)
     streamed.progress()
     assert len(pipeline._prefetched) == len(store.buckets), "then the window reads the whole next step ahead"
     streamed.close()
@@ -146,7 +146,7 @@ def test_reading_the_state_back_survives_a_forward_between_its_buckets(tmp_path)
     for item in streamed.iter_state():
         copies.append(item)
         streamed.progress()
-        _progress_until(streamed, lambda: not streamed.store._pipeline.landing)
+        _progress_until(streamed, lambda: not streamed.store._pipeline.deferred_writes)
     by_param = {id(p): (main, m, v) for p, main, m, v in copies}
     read_back = ([p.detach().clone() for p in model.parameters()], [by_param[id(p)] for p in model.parameters()])
     assert_same_training(reference_run(torch.optim.AdamW, torch.bfloat16, 3), read_back)
@@ -164,14 +164,14 @@ def test_reads_fill_only_the_room_the_landed_writes_left(tmp_path):
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", overlap_bytes=window)
     store, pipeline = streamed.store, streamed.store._pipeline
     _train(model, optimizer, scheduler, streamed, range(2))
-    assert [f.bucket.index for f in pipeline.landing] == list(range(len(sizes) - 3, len(sizes)))
+    assert [f.bucket.index for f in pipeline.deferred_writes] == list(range(len(sizes) - 3, len(sizes)))
     assert store.overlap_bytes_bound == window  # the three deferred, or as many first ones read
 
     def check():
-        held = sum(f.bucket.materialized_bytes for f in (*pipeline.landing, *pipeline._prefetched))
+        held = sum(f.bucket.materialized_bytes for f in (*pipeline.deferred_writes, *pipeline._prefetched))
         assert held <= window
 
-    _progress_until(streamed, lambda: not pipeline.landing and pipeline._prefetched, check)
+    _progress_until(streamed, lambda: not pipeline.deferred_writes and pipeline._prefetched, check)
     streamed.close()
 
 
@@ -189,7 +189,7 @@ def test_the_next_step_reads_while_the_last_ones_writes_still_land(tmp_path):
     real_open = pipeline._open
 
     def open_bucket(index, *args, **kwargs):
-        landing_at_read.append((index, {f.bucket.index for f in pipeline.landing}))
+        landing_at_read.append((index, {f.bucket.index for f in pipeline.deferred_writes}))
         return real_open(index, *args, **kwargs)
 
     pipeline._open = open_bucket
@@ -200,8 +200,10 @@ def test_the_next_step_reads_while_the_last_ones_writes_still_land(tmp_path):
     last = len(streamed.store.buckets) - 1
     first_index, still_landing = landing_at_read[0]
     assert first_index == 0 and still_landing, "the step waited for every deferred write before its first read"
-    assert all(index not in landing for index, landing in landing_at_read), "a bucket was read before it landed"
-    assert {f.bucket.index for f in pipeline.landing} == {last - 1, last}
+    assert all(index not in deferred_writes for index, deferred_writes in landing_at_read), (
+        "a bucket was read before it landed"
+    )
+    assert {f.bucket.index for f in pipeline.deferred_writes} == {last - 1, last}
     optimizer.zero_grad()
     between_steps(optimizer, scheduler, 3)
     _train(model, optimizer, scheduler, streamed, range(4, STEPS))
@@ -255,7 +257,7 @@ def _fail_after_the_walk_then_retry(tmp_path, **config):
             with pytest.raises(RuntimeError, match="injected"):
                 optimizer.step()
             store._steps.grad_fn = real
-            assert not store._pipeline.landing, "the failed step's deferred writes must not land"
+            assert not store._pipeline.deferred_writes, "the failed step's deferred writes must not land"
         optimizer.step()
         optimizer.zero_grad()
         between_steps(optimizer, scheduler, step)
@@ -274,7 +276,7 @@ def _fail_reading_while_writes_land_then_retry(tmp_path, **config):
     with FaultPlan(scratch, "write", nth=1, fault="hang", hang_s=0.5), FaultPlan(scratch, "read", nth=2, fault="eio"):
         with pytest.raises(OSError, match="Input/output error"):
             optimizer.step()
-    assert not streamed.store._pipeline.landing, "the last step's deferred writes must have landed"
+    assert not streamed.store._pipeline.deferred_writes, "the last step's deferred writes must have landed"
     optimizer.step()
     optimizer.zero_grad()
     between_steps(optimizer, scheduler, 4)
@@ -389,7 +391,7 @@ def test_only_the_windows_transfers_are_marked_beside_training(tmp_path, monkeyp
         phase["now"] = "progress"
         streamed.progress()
         loss_fn(model, step).backward()
-        _progress_until(streamed, lambda: not store._pipeline.landing)  # every deferred write landed
+        _progress_until(streamed, lambda: not store._pipeline.deferred_writes)  # every deferred write landed
         phase["now"] = "prefetch"
         store.prefetch()  # as the Megatron binding does once the grads are final
         phase["now"] = "step"
@@ -423,20 +425,20 @@ def test_a_window_the_store_cannot_keep_is_refused(tmp_path, config, message):
 
 
 def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twice(tmp_path, monkeypatch):
-    """A Ctrl-C between ``land()`` recording a deferred write's ticket and clearing what it
-    held (raised there, standing in for a signal's arrival): the next ``land()`` must not
+    """A Ctrl-C between ``advance_deferred_writes()`` recording a deferred write's ticket and clearing what it
+    held (raised there, standing in for a signal's arrival): the next ``advance_deferred_writes()`` must not
     submit those bytes again, which would replace the ticket of a write still running,
     so that the bucket's memory could be released (and reused) under it. Each bucket is
     written once, and training stays byte-identical to the run without a window."""
     from miles_plugins.optimizers.homes.engines import PipelinedEngine
-    from miles_plugins.optimizers.step.flight import Flight
+    from miles_plugins.optimizers.step.flight import BucketInFlight
 
     plain = fresh(tmp_path / "plain", "rank0")
     _train(*plain, range(STEPS))
     model, optimizer, scheduler, streamed = fresh(tmp_path / "window", "rank0", overlap_bytes=1 << 40)
     _train(model, optimizer, scheduler, streamed, range(2))
     pipeline = streamed.store._pipeline
-    assert pipeline.landing and all(f.held is not None for f in pipeline.landing)
+    assert pipeline.deferred_writes and all(f.held is not None for f in pipeline.deferred_writes)
 
     written: list[int] = []
     write = PipelinedEngine.write
@@ -446,8 +448,8 @@ def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twi
             written.append(id(handle))  # one handle per bucket in flight
         return write(self, handle, transfers, ready, beside_training)
 
-    interrupted: list[Flight] = []
-    setattr_ = Flight.__setattr__
+    interrupted: list[BucketInFlight] = []
+    setattr_ = BucketInFlight.__setattr__
 
     def interrupt_once(self, name, value):
         if name == "held" and value is None and self.writes is not None and not interrupted:
@@ -456,11 +458,11 @@ def test_an_interrupt_after_a_deferred_write_is_submitted_does_not_submit_it_twi
         setattr_(self, name, value)
 
     monkeypatch.setattr(PipelinedEngine, "write", counting)
-    monkeypatch.setattr(Flight, "__setattr__", interrupt_once)
+    monkeypatch.setattr(BucketInFlight, "__setattr__", interrupt_once)
     with pytest.raises(KeyboardInterrupt):
         streamed.progress()
     assert interrupted, "the interrupt must come between the ticket and the clearing"
-    _progress_until(streamed, lambda: not pipeline.landing)
+    _progress_until(streamed, lambda: not pipeline.deferred_writes)
     monkeypatch.undo()
     assert len(written) == len(set(written)) == len(streamed.store.buckets), written
     _train(model, optimizer, scheduler, streamed, range(2, STEPS))

@@ -806,7 +806,7 @@ def test_a_main_that_holds_values_of_its_own_is_not_foreseen_as_lent(tmp_path):
 
 
 def test_buckets_in_flight_that_hold_no_memory_leave_room_for_one_that_does():
-    """``Pipeline._make_room`` counts the flights holding memory: with ``depth`` of them
+    """``Pipeline._make_room`` counts the flights holding memory: with ``max_in_flight`` of them
     in flight it retires the oldest write, with fewer (the rest sharing their home's
     bytes) it lets the next bucket in at once."""
     from types import SimpleNamespace
@@ -814,7 +814,7 @@ def test_buckets_in_flight_that_hold_no_memory_leave_room_for_one_that_does():
     from miles_plugins.optimizers.step.pipeline import Pipeline
 
     retired = []
-    walker = SimpleNamespace(depth=2, _retire_oldest=lambda writing: retired.append(writing.popleft()))
+    walker = SimpleNamespace(max_in_flight=2, _retire_oldest=lambda writing: retired.append(writing.popleft()))
     flight = lambda holds: SimpleNamespace(holds_memory=holds, writes=None)  # noqa: E731
     shared_writes = deque([flight(False), flight(False), flight(True)])
     assert Pipeline._make_room(walker, deque(), shared_writes) and not retired  # one holds memory: room

@@ -44,7 +44,7 @@ def test_host_memory_does_not_grow_with_state_size(tmp_path, engine):
     # On the CPU the "device" buckets are host memory too: the buckets in flight,
     # the computing bucket's fp32 grads and Adam temporaries (about two buckets'
     # worth), the staging chunks, allocator slack. None of it scales with the state.
-    bound = (config.depth + 2) * CAP * 12 + config.staging_bytes_total + 8 * 2**20
+    bound = (config.max_in_flight + 2) * CAP * 12 + config.staging_bytes_total + 8 * 2**20
     assert state >= 3 * bound
     assert growth <= bound, f"peak RSS grew {growth} bytes for a {state}-byte state (bound {bound})"
 

@@ -47,7 +47,16 @@ class BackgroundSave:
         self._thread = threading.Thread(target=self._run, name=f"save {write.parts.name}")
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread; where it cannot start, the save is abandoned (nothing of it
+        is left but the previous save) and the error raised."""
+        try:
+            self._thread.start()
+        except BaseException:
+            try:
+                self._write.abandon()
+            finally:
+                self._end()
+            raise
 
     def _run(self) -> None:
         try:
@@ -56,7 +65,12 @@ class BackgroundSave:
             self._error = exc
             logger.error("the background save of %s to %s failed: %s", self._write.parts.name, self._write.final, exc)
         finally:
+            self._end()
+
+    def _end(self) -> None:
+        try:
             self._on_end()
+        finally:
             with self._changed:
                 self._ended = True
                 self._changed.notify_all()

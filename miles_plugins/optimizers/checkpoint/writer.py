@@ -170,14 +170,10 @@ class PendingWrite:
                 files = self._write(exported)
                 replace_dir(self.partial, self.final)
             except BaseException:
-                with contextlib.suppress(OSError):
-                    # Never what a replace put at that name: the previous save.
-                    remove_private_dir(self.partial, only=self._ours)
+                self._remove_partial()
                 raise
         finally:
-            lock_path, lock = self._lock
-            if lock is not None:
-                unlock_file(lock_path, lock)
+            self._unlock()
         seconds = time.perf_counter() - start
         nbytes = sum(f["size"] for f in files.values())
         logger.info(
@@ -189,6 +185,23 @@ class PendingWrite:
             nbytes / 1e9 / max(seconds, 1e-9),
             self.final,
         )
+
+    def abandon(self) -> None:
+        """Give the save up before :meth:`run`: the partial directory removed, the lock released."""
+        try:
+            self._remove_partial()
+        finally:
+            self._unlock()
+
+    def _remove_partial(self) -> None:
+        with contextlib.suppress(OSError):
+            # Never what a replace put at that name: the previous save.
+            remove_private_dir(self.partial, only=self._ours)
+
+    def _unlock(self) -> None:
+        lock_path, lock = self._lock
+        if lock is not None:
+            unlock_file(lock_path, lock)
 
     def _write(self, exported: Callable[[int], None]) -> dict[str, dict]:
         """Every file of the save into the partial directory, each fsynced, the manifest

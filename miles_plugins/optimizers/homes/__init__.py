@@ -18,10 +18,10 @@ The modules, bottom up:
 - ``host_memory``, ``file_io``: exactly sized (pinned) host memory; reads and
   writes that finish, block checksums;
 - ``protocols``: the contracts (``Engine``, ``Backing``, ``Handle``,
-  ``DmaHandle``, ``Ticket``) the step and the checkpoints are written against;
+  ``DmaHandle``, ``PendingTransfers``) the step and the checkpoints are written against;
 - ``backings``, ``device_backing``, ``placed_backing``: the disk and host homes'
   backings, the gpu home's, and the one that routes each bucket to its home's;
-- ``transfer_ticket``, ``engines``: the engines and the ticket they give back;
+- ``transfer_batch``, ``engines``: the engines and the pending transfers they give back;
 - ``placement``, ``device_home_moves``: where each bucket lives (policy), and
   which buckets an auto GPU budget moves in and out of the gpu home;
 - ``memory_probes``, ``auto_budget``: what the host and the device have free,

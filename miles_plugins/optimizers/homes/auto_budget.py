@@ -175,7 +175,7 @@ class AutoGpuBudget:
       bucket given back frees less there than that (its fp32 state shared the
       home's bytes; now it is materialized in flight): more go back at the next
       steps, each within the margin. Counting the other way would give back up
-      to ``depth`` buckets too many where forward and backward set the peak.
+      to ``max_in_flight`` buckets too many where forward and backward set the peak.
     """
 
     def __init__(self, margin_bytes: int, memory: DeviceMemory | None = None) -> None:

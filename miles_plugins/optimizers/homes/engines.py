@@ -7,7 +7,7 @@ staging chunk and CUDA stream, so reads of one bucket and writes of another
 overlap each other and the caller's compute (a step's copies of pinned host
 memory need no thread: they are queued whole on a copy stream per direction; the
 overlap window's, beside training, go through one window thread per direction). A
-submission returns a :class:`TransferTicket` to wait on. Both satisfy
+submission returns a :class:`TransferBatch` to wait on. Both satisfy
 :class:`~miles_plugins.optimizers.homes.protocols.Engine`.
 
 Host memory for streaming is the staging chunks, whatever the state size (the
@@ -28,7 +28,7 @@ from torch.cuda import Event
 
 from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.homes.protocols import DmaHandle, Handle, Transfer
-from miles_plugins.optimizers.homes.transfer_ticket import TransferTicket
+from miles_plugins.optimizers.homes.transfer_batch import TransferBatch
 
 # The overlap window's requests of pinned host memory (see PipelinedEngine): long enough
 # that the window thread's own host time between two requests leaves the copy engine
@@ -68,12 +68,12 @@ class _ReadWrite:
 
     def read(
         self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
-    ) -> TransferTicket:
+    ) -> TransferBatch:
         return self._transfer(Direction.READ, handle, transfers, ready, beside_training)
 
     def write(
         self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
-    ) -> TransferTicket:
+    ) -> TransferBatch:
         return self._transfer(Direction.WRITE, handle, transfers, ready, beside_training)
 
 
@@ -85,12 +85,12 @@ class SyncEngine(_ReadWrite):
     def __init__(self, chunk_bytes: int, pin: bool) -> None:
         self.staging = HostMemory(chunk_bytes, pin)
 
-    def _transfer(self, direction: Direction, handle: Handle, transfers: Sequence[Transfer], *_) -> TransferTicket:
+    def _transfer(self, direction: Direction, handle: Handle, transfers: Sequence[Transfer], *_) -> TransferBatch:
         """Every chunk now, in order; ``ready`` and ``beside_training`` (the rest) change nothing here."""
         copy = _copy_of(handle, direction)
         for offset, tensor in _chunks(transfers, self.staging.nbytes):
             copy(offset, tensor, self.staging)
-        return TransferTicket()
+        return TransferBatch()
 
     def idle_buffer(self) -> HostMemory:
         return self.staging
@@ -178,7 +178,7 @@ class PipelinedEngine(_ReadWrite):
 
     A ``dma`` handle (pinned host memory, CUDA) needs no thread and no staging
     inside a step: its transfers are queued whole, as asynchronous copies on one
-    copy stream per direction, from the caller's thread; the ticket waits for an
+    copy stream per direction, from the caller's thread; the pending transfers wait for an
     event after them (the copy engines then run both directions at once at full
     speed, which the threads' chunked copies do not reach). ``beside_training``
     (the overlap window's transfers, during forward and backward) sends them
@@ -192,7 +192,7 @@ class PipelinedEngine(_ReadWrite):
     on the device. A write needs it (the update must be done before its bytes
     are copied out); so does a read into freshly allocated memory (the caching
     allocator hands out blocks whose previous users on the caller's stream may
-    still be running). Tensors a read fills are used only after its ticket is
+    still be running). Tensors a read fills are used only after its pending transfers are
     waited on.
     """
 
@@ -265,7 +265,7 @@ class PipelinedEngine(_ReadWrite):
         transfers: Sequence[Transfer],
         ready: Event | None,
         beside_training: bool,
-    ) -> TransferTicket:
+    ) -> TransferBatch:
         """Route one submission: pinned host memory on CUDA to the copy stream, or beside
         training to the window thread; the rest to the handle's reader or writer threads."""
         path = _path_of(handle, direction)
@@ -287,7 +287,7 @@ class PipelinedEngine(_ReadWrite):
         transfers: Sequence[Transfer],
         ready: Event | None,
         chunk_bytes: int,
-    ) -> TransferTicket:
+    ) -> TransferBatch:
         """Each chunk of ``transfers`` as one request to ``pool``'s threads; a handle
         ``on_caller_stream`` copies each tensor now instead."""
         copy = _copy_of(handle, direction)
@@ -296,14 +296,14 @@ class PipelinedEngine(_ReadWrite):
             # to_host, in host memory): one per tensor, as chunks exist for staging, which these skip.
             for offset, tensor in transfers:
                 copy(offset, tensor, None)
-            return TransferTicket()
+            return TransferBatch()
         futures: list[concurrent.futures.Future] = []
         try:
             for offset, tensor in _chunks(transfers, chunk_bytes):
                 futures.append(pool.submit(self._run, copy, offset, tensor, ready))
-            return TransferTicket(futures=futures, name=_path_of(handle, direction), timeout_s=self.timeout_s)
+            return TransferBatch(futures=futures, name=_path_of(handle, direction), timeout_s=self.timeout_s)
         except BaseException:
-            # No ticket reaches the caller, who releases the tensors now: requests not yet
+            # No pending transfers reach the caller, who releases the tensors now: requests not yet
             # started are cancelled, started ones waited for (as _queue_copies does).
             for future in futures:
                 future.cancel()
@@ -317,7 +317,7 @@ class PipelinedEngine(_ReadWrite):
         path: str,
         transfers: Sequence[Transfer],
         ready: Event | None,
-    ) -> TransferTicket:
+    ) -> TransferBatch:
         """Queue ``copy(offset, tensor)`` of every transfer on ``stream`` after ``ready``."""
         try:
             with torch.cuda.stream(stream):
@@ -327,9 +327,9 @@ class PipelinedEngine(_ReadWrite):
                     copy(offset, tensor)
             done = torch.cuda.Event()
             done.record(stream)
-            return TransferTicket(name=path, timeout_s=self.timeout_s, events=[done])
+            return TransferBatch(name=path, timeout_s=self.timeout_s, events=[done])
         except BaseException:
-            # No ticket reaches the caller, who releases the tensors now: nothing queued so far
+            # No pending transfers reach the caller, who releases the tensors now: nothing queued so far
             # may still touch them (an interrupt between two copies, a CUDA error).
             stream.synchronize()
             raise

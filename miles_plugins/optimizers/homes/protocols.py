@@ -3,7 +3,7 @@
 A :class:`Backing` keeps buckets' bytes between steps (files, host memory, device
 memory) and opens a :class:`Handle` on one bucket for one pass; an :class:`Engine`
 schedules a submission's transfers between a handle and device tensors and gives
-back a :class:`Ticket` to wait on. Any backing runs with any engine. The step and
+back a :class:`PendingTransfers` to wait on. Any backing runs with any engine. The step and
 the checkpoints take these types, not the concrete classes (``backings.py``,
 ``placed_backing.py``, ``engines.py``).
 """
@@ -25,7 +25,7 @@ Transfer = tuple[int, torch.Tensor]
 
 
 @runtime_checkable
-class Ticket(Protocol):
+class PendingTransfers(Protocol):
     """Transfers submitted together (one :meth:`Engine.read` or :meth:`Engine.write`)."""
 
     def done(self) -> bool:
@@ -151,21 +151,21 @@ class Engine(Protocol):
     :meth:`read` fills each transfer's tensor from the bucket's bytes at its offset;
     :meth:`write` copies each tensor there. The transfers may run after the call
     returns, in any order among themselves: a write's tensors must stay unchanged, and
-    a read's unused, until the returned ticket's ``wait`` returns; every tensor stays
+    a read's unused, until the returned pending transfers' ``wait`` returns; every tensor stays
     allocated until then. ``ready`` is a CUDA event the caller recorded after the last
     work that must come first: each copy waits for it on the device. ``beside_training``
     marks the overlap window's transfers, which run during forward and backward and
-    leave the training's own copies room. A failure is raised by the ticket's ``wait``,
+    leave the training's own copies room. A failure is raised by the pending transfers' ``wait``,
     or by the call where nothing was left running."""
 
     def read(
         self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
-    ) -> Ticket:
+    ) -> PendingTransfers:
         """Submit the reads of ``transfers`` from ``handle``."""
 
     def write(
         self, handle: Handle, transfers: Sequence[Transfer], ready: Event | None = None, beside_training: bool = False
-    ) -> Ticket:
+    ) -> PendingTransfers:
         """Submit the writes of ``transfers`` to ``handle``."""
 
     def idle_buffer(self) -> HostMemory:

@@ -47,7 +47,7 @@ _upstream_build = None  # the classmethod the wrapper stands in for, while it do
 
 
 def _build_deferring_mains_on_deferring_threads(cls, *args, **kwargs):
-    if getattr(_deferring, "depth", 0):
+    if getattr(_deferring, "open_blocks", 0):
         with MainsWithoutStorage():
             return _upstream_build.__func__(cls, *args, **kwargs)
     return _upstream_build.__func__(cls, *args, **kwargs)
@@ -84,11 +84,11 @@ def deferred_mains() -> Iterator[None]:
                 _build_deferring_mains_on_deferring_threads
             )
         _deferred_blocks += 1
-    _deferring.depth = getattr(_deferring, "depth", 0) + 1
+    _deferring.open_blocks = getattr(_deferring, "open_blocks", 0) + 1
     try:
         yield
     finally:
-        _deferring.depth -= 1
+        _deferring.open_blocks -= 1
         with _deferred_lock:
             _deferred_blocks -= 1
             if _deferred_blocks == 0:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles_plugins.optimizers.formats.layout import MOMENT_SEGMENTS, BucketLayout
-from miles_plugins.optimizers.homes.protocols import Ticket, Transfer
+from miles_plugins.optimizers.homes.protocols import PendingTransfers, Transfer
 from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 from miles_plugins.optimizers.step.entries import Entry
 
@@ -66,7 +66,7 @@ class StateAccounting:
 
 
 @dataclass
-class Flight:
+class BucketInFlight:
     """One bucket between its fetch and its retirement.
 
     ``converts`` are (segment name, entry, tensor) a read fills in their stored
@@ -75,17 +75,17 @@ class Flight:
     ones: ``BufferHandle.view_of``), each with a detached alias of the (empty)
     storage it had, which it gets back when the flight is released. ``holds_memory``:
     False for a bucket whose every tensor shares its home's bytes (``BucketMover.lends_all``):
-    it takes no room among the ``depth`` buckets in flight.
+    it takes no room among the ``max_in_flight`` buckets in flight.
     """
 
     bucket: BucketLayout
     optimizer: BucketOptimizer
     entries: list[Entry]
     handle: Handle | None = None
-    reads: Ticket | None = None
-    writes: Ticket | None = None
+    reads: PendingTransfers | None = None
+    writes: PendingTransfers | None = None
     # A deferred write (walk's ``defer``): its transfers and the event after its
-    # encoding, until ``land()`` submits them.
+    # encoding, until ``advance_deferred_writes()`` submits them.
     held: tuple[list[Transfer], torch.cuda.Event | None] | None = None
     converts: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     shared: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class GpuHome:
-    """The ``gpu`` home of one store. ``settle`` is the store's: it runs before a
+    """The ``gpu`` home of one store. ``finish_transfers`` is the store's: it runs before a
     bucket changes place (nothing prefetched may read a bucket whose place changes)."""
 
     def __init__(
@@ -43,10 +43,10 @@ class GpuHome:
         engine: Engine,
         pipeline: Pipeline,
         device: torch.device,
-        settle: Callable[[], None],
+        finish_transfers: Callable[[], None],
     ) -> None:
         self._placed, self._backing, self._buckets = placed, backing, buckets
-        self._engine, self._pipeline, self._device, self._settle = engine, pipeline, device, settle
+        self._engine, self._pipeline, self._device, self._finish_transfers = engine, pipeline, device, finish_transfers
 
     @property
     def backing(self) -> DeviceBacking | None:
@@ -66,7 +66,7 @@ class GpuHome:
         return self._move(move_from_device_home, nbytes, home) if not self.offloaded else 0
 
     def _move(self, move, nbytes: int, home: str):
-        self._settle()
+        self._finish_transfers()
         done = move(self._placed, self._backing, self._buckets, nbytes, self._engine.idle_buffer(), home)
         self._pipeline.drain_before = first_written_in_place(self._buckets, self._placed)
         return done

@@ -29,7 +29,7 @@ from miles_plugins.optimizers.homes.protocols import Transfer
 from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec, stored_bytes
 from miles_plugins.optimizers.step.entries import Entry, StepStats
-from miles_plugins.optimizers.step.flight import Flight, StateAccounting
+from miles_plugins.optimizers.step.flight import BucketInFlight, StateAccounting
 
 if TYPE_CHECKING:
     from miles_plugins.optimizers.homes.protocols import Backing, Engine
@@ -69,14 +69,16 @@ class BucketMover:
         self.hung = False
         self.hang_cause: str | None = None
 
-    def _open(self, index: int, in_place: bool) -> Flight:
+    def _open(self, index: int, in_place: bool) -> BucketInFlight:
         """A flight of bucket ``index`` with its home opened (``in_place``: to write the slot it reads)."""
         bucket = self.buckets[index]
-        flight = Flight(bucket, self.optimizers[index], [self.entries[i] for i in bucket.entry_indices])
+        flight = BucketInFlight(bucket, self.optimizers[index], [self.entries[i] for i in bucket.entry_indices])
         flight.handle = self.backing.open(bucket, in_place=in_place)
         return flight
 
-    def fetch(self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False) -> Flight:
+    def fetch(
+        self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False
+    ) -> BucketInFlight:
         """Materialize bucket ``index``'s mains (and moments) and submit their reads
         (``beside_training``: between steps, see ``PipelinedEngine``). A stored
         format other than fp32 lands in the first bytes of the tensor's own
@@ -106,7 +108,7 @@ class BucketMover:
             raise
         return flight
 
-    def finish_fetch(self, flight: Flight) -> None:
+    def finish_fetch(self, flight: BucketInFlight) -> None:
         """Wait for the flight's reads, then decode what arrived in a stored format."""
         flight.reads.wait()
         flight.reads = None
@@ -116,9 +118,9 @@ class BucketMover:
         )
         flight.converts.clear()
 
-    def store(self, flight: Flight, stats: StepStats, moments: bool = True, submit: bool = True) -> None:
+    def store(self, flight: BucketInFlight, stats: StepStats, moments: bool = True, submit: bool = True) -> None:
         """Encode the bucket's mains (and moments) in place and submit their writes
-        (or, without ``submit``, hold them in ``flight.held``: ``Pipeline.land`` submits them).
+        (or, without ``submit``, hold them in ``flight.held``: ``Pipeline.advance_deferred_writes`` submits them).
         Encoding runs on the device, before the host copy: a same-dtype
         device->host copy is far faster than a converting one. The fp32 values
         are gone afterwards; the bucket is released when retired."""
@@ -168,7 +170,7 @@ class BucketMover:
                 return False
         return True
 
-    def _share(self, flight: Flight, name: str, k: int, tensor: torch.Tensor) -> bool:
+    def _share(self, flight: BucketInFlight, name: str, k: int, tensor: torch.Tensor) -> bool:
         """Give ``tensor`` (entry ``k``'s, of segment ``name``) its home's bytes, where the
         home lends them, its stored form is its fp32 bytes, and it holds no values of its
         own (a main Megatron built is written to the home from its own storage, once);
@@ -183,7 +185,7 @@ class BucketMover:
         tensor.data = view
         return True
 
-    def _release(self, flight: Flight) -> None:
+    def _release(self, flight: BucketInFlight) -> None:
         # The shared tensors first get their own (empty) storage back: the home's must
         # never be resized or freed through them.
         for tensor, own in flight.shared:
@@ -200,7 +202,7 @@ class BucketMover:
             handle.close()
 
     @contextlib.contextmanager
-    def read_one(self, index: int, moments: bool = True) -> Iterator[Flight]:
+    def read_one(self, index: int, moments: bool = True) -> Iterator[BucketInFlight]:
         """Bucket ``index`` materialized and read, or sharing its home's bytes (one at a
         time), released afterwards."""
         flight = self.fetch(index, StepStats(), moments)
@@ -214,7 +216,7 @@ class BucketMover:
         finally:
             self.abort([flight], wait_s)
 
-    def abort(self, flights: Sequence[Flight], wait_s: float) -> bool:
+    def abort(self, flights: Sequence[BucketInFlight], wait_s: float) -> bool:
         """Stop using ``flights`` after a failure or when their state is not needed:
         wait until no transfer touches their memory, then release it. All the
         waits share one deadline, ``wait_s`` from now (now, once :attr:`hung`:
@@ -233,11 +235,11 @@ class BucketMover:
         failed_release: BaseException | None = None
         for flight in flights:
             stuck = False
-            for ticket in (flight.reads, flight.writes):
-                if ticket is None:
+            for pending in (flight.reads, flight.writes):
+                if pending is None:
                     continue
                 try:
-                    ticket.wait(max(0.0, deadline - time.monotonic()))
+                    pending.wait(max(0.0, deadline - time.monotonic()))
                 except StreamIOTimeout:
                     stuck = True
                 except Exception:  # noqa: BLE001 - reported by the transfer's owner

@@ -3,7 +3,7 @@ state it holds on the device across the step boundary, so that its transfers run
 during forward and backward instead of inside the step.
 
 A step leaves the writes of :meth:`OverlapWindow.deferred` buckets to the pipeline's
-``land()``; between steps :meth:`OverlapWindow.read_ahead` reads the next step's
+``advance_deferred_writes()``; between steps :meth:`OverlapWindow.read_ahead` reads the next step's
 first buckets into the room the landed ones left (``Pipeline.prefetch`` keeps the
 order: never a bucket still landing). The store owns the failures (``store/between_steps.py``).
 """

@@ -8,10 +8,10 @@
     retire   wait for the writes, release the bucket's device memory.
 
 Reads of the next buckets and writes of the previous ones overlap the current
-bucket's visit. At most ``depth`` buckets are materialized at once (the
+bucket's visit. At most ``max_in_flight`` buckets are materialized at once (the
 computing one, the ones read ahead, the ones still writing), so optimizer state
-on the device is bounded by ``depth`` times the largest bucket; the sync engine
-runs with ``depth`` 1. A bucket that materializes nothing (every tensor shares
+on the device is bounded by ``max_in_flight`` times the largest bucket; the sync engine
+runs with ``max_in_flight`` 1. A bucket that materializes nothing (every tensor shares
 its home's bytes: :meth:`~miles_plugins.optimizers.step.mover.BucketMover.lends_all`)
 is not counted and waits for no room. The walk never waits for the newest write:
 each bucket's update and write queue behind it, so the writes run back to back;
@@ -21,13 +21,13 @@ finished (one that materializes nothing, at once).
 
 Across the step boundary (the store's overlap window): ``walk(defer=...)`` leaves
 the named buckets encoded on the device with their writes not yet submitted;
-``land()`` submits them and retires those done, so they run during the caller's
-next forward; ``prefetch(window_bytes)`` reads more than ``depth`` buckets ahead,
+``advance_deferred_writes()`` submits them and retires those done, so they run during the caller's
+next forward; ``prefetch(window_bytes)`` reads more than ``max_in_flight`` buckets ahead,
 as the landed writes make room, never past a bucket still landing (a bucket is
 read only after its last write). The next walk waits for each bucket's landing
 just before reading it, so the writes still landing run beside its reads (on a
 drive, waiting for all of them first would leave it writing alone, then reading
-alone); a failed one raises :class:`LandingError`.
+alone); a failed one raises :class:`DeferredWriteError`.
 
 The walker knows nothing of Adam, rollback or checkpoints (the store's
 concerns); on a failure it stops every transfer it started and re-raises.
@@ -46,16 +46,16 @@ from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.step.bucket_optimizer import BucketOptimizer
 from miles_plugins.optimizers.step.codec import Codec
 from miles_plugins.optimizers.step.entries import Entry, StepStats
-from miles_plugins.optimizers.step.flight import Flight
+from miles_plugins.optimizers.step.flight import BucketInFlight
 from miles_plugins.optimizers.step.mover import BucketMover
 
 if TYPE_CHECKING:
     from miles_plugins.optimizers.homes.protocols import Backing, Engine
 
 
-class LandingError(RuntimeError):
+class DeferredWriteError(RuntimeError):
     """A deferred write failed (its cause is the transfer's error), found by
-    :meth:`Pipeline.land` or by a walk waiting for it: that walk's state is not
+    :meth:`Pipeline.advance_deferred_writes` or by a walk waiting for it: that walk's state is not
     the stored one. The store reports it naming the step that wrote it."""
 
 
@@ -71,7 +71,7 @@ def leading_fit(buckets: Sequence[BucketLayout], nbytes: int) -> list[BucketLayo
 
 
 class Pipeline(BucketMover):
-    """Walks ``buckets`` through the backing and the engine, ``depth`` at a time.
+    """Walks ``buckets`` through the backing and the engine, ``max_in_flight`` at a time.
 
     Args:
         depth: the most buckets materialized at once.
@@ -94,7 +94,7 @@ class Pipeline(BucketMover):
         codec: Codec,
         device: torch.device,
         io_timeout_s: float,
-        depth: int,
+        max_in_flight: int,
         drain_before: int | None = None,
     ) -> None:
         super().__init__(
@@ -107,12 +107,12 @@ class Pipeline(BucketMover):
             device=device,
             io_timeout_s=io_timeout_s,
         )
-        self.depth, self.drain_before = depth, drain_before
+        self.max_in_flight, self.drain_before = max_in_flight, drain_before
         # Buckets whose reads prefetch() started, and what those reads moved.
-        self._prefetched: deque[Flight] = deque()
+        self._prefetched: deque[BucketInFlight] = deque()
         self._prefetch_stats = StepStats()
-        # Buckets a walk left with deferred writes, oldest first (see land()).
-        self.landing: deque[Flight] = deque()
+        # Buckets a walk left with deferred writes, oldest first (see advance_deferred_writes()).
+        self.deferred_writes: deque[BucketInFlight] = deque()
         # A wait the caller asks for before each bucket is fetched, given its index: a
         # background save that has yet to copy the bytes the bucket's writes would change.
         self.before_fetch: Callable[[int], None] | None = None
@@ -121,7 +121,7 @@ class Pipeline(BucketMover):
 
     def walk(
         self,
-        visit: Callable[[Flight], None],
+        visit: Callable[[BucketInFlight], None],
         stats: StepStats,
         *,
         mains_only: bool = False,
@@ -134,23 +134,23 @@ class Pipeline(BucketMover):
         (or share their home's bytes: :meth:`_share`) for ``visit`` to fill, and
         written back to the slot they were read from (rewriting mains outside a
         step; the moments stay as they are).
-        ``defer``: indices of buckets whose writes wait for :meth:`land` (they stay
-        materialized, outside the ``depth`` count, in :attr:`landing` once the walk is done).
+        ``defer``: indices of buckets whose writes wait for :meth:`advance_deferred_writes` (they stay
+        materialized, outside the ``max_in_flight`` count, in :attr:`deferred_writes` once the walk is done).
         The deferred writes of the walk before may still be landing: each is waited for
         just before its bucket is read (:meth:`fetch`).
         On a failure every flight of this walk is aborted (:meth:`abort`), those of
         ``defer`` too, and the error re-raised; the writes of the walk before stay in
-        :attr:`landing`, theirs being the stored state (unless one of them failed:
-        :class:`LandingError`, and :meth:`land` aborted them all).
+        :attr:`deferred_writes`, theirs being the stored state (unless one of them failed:
+        :class:`DeferredWriteError`, and :meth:`advance_deferred_writes` aborted them all).
         """
-        if mains_only and self.landing:
+        if mains_only and self.deferred_writes:
             raise RuntimeError(
                 f"a walk rewriting mains with {len(self.landing)} deferred writes still pending: its writes "
                 "would race theirs (the store lands them first)"
             )
         ahead = deque() if mains_only else self._take_prefetched(stats)
-        writing: deque[Flight] = deque()
-        deferred: deque[Flight] = deque()
+        writing: deque[BucketInFlight] = deque()
+        deferred: deque[BucketInFlight] = deque()
         current = None
         try:
             for index in range(len(self.buckets)):
@@ -177,16 +177,16 @@ class Pipeline(BucketMover):
             raise
         # Every bucket was read, so the earlier deferred writes have all landed: the
         # oldest first holds all the same.
-        self.landing.extend(deferred)
+        self.deferred_writes.extend(deferred)
 
     def _abort_wait(self, exc: BaseException) -> float:
         """How long aborting a walk that failed with ``exc`` may wait: nothing after a
         timeout (a deferred write's too), whose deadline has passed (after a hang
-        ``land()`` found, ``abort()`` waits for nothing either)."""
+        ``advance_deferred_writes()`` found, ``abort()`` waits for nothing either)."""
         timed_out = isinstance(exc, StreamIOTimeout) or isinstance(exc.__cause__, StreamIOTimeout)
         return 0.0 if timed_out else self.io_timeout_s
 
-    def _materialize_mains(self, flight: Flight) -> None:
+    def _materialize_mains(self, flight: BucketInFlight) -> None:
         """Give the flight's mains storage of their own, or their home's bytes, for a
         ``mains_only`` walk to fill (nothing is read)."""
         for k in range(len(flight.entries)):
@@ -194,7 +194,9 @@ class Pipeline(BucketMover):
                 if not self._share(flight, name, k, main):
                     self.accounting.materialize(main)
 
-    def _read_ahead_of(self, index: int, ahead: deque[Flight], writing: deque[Flight], stats: StepStats) -> None:
+    def _read_ahead_of(
+        self, index: int, ahead: deque[BucketInFlight], writing: deque[BucketInFlight], stats: StepStats
+    ) -> None:
         """Fetch bucket ``index`` and the next ones, waiting for every write but the newest:
         this update (and its write) queue behind the write still running, so the writing
         direction never idles for an update, and the next read starts as the write
@@ -202,27 +204,29 @@ class Pipeline(BucketMover):
         at the first bucket written in place, where every write before it is waited for
         anyway: the buckets after it are fetched (allocated, read) first, so a failure
         there comes while the step can still be rolled back."""
-        self._read_ahead(index, index + max(0, self.depth - 2), ahead, writing, stats)
+        self._read_ahead(index, index + max(0, self.max_in_flight - 2), ahead, writing, stats)
         drain = index == self.drain_before
-        self._read_ahead(index, index + self.depth - 1, ahead, writing, stats, wait=drain)
+        self._read_ahead(index, index + self.max_in_flight - 1, ahead, writing, stats, wait=drain)
 
-    def fetch(self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False) -> Flight:
+    def fetch(
+        self, index: int, stats: StepStats, moments: bool = True, beside_training: bool = False
+    ) -> BucketInFlight:
         """:meth:`BucketMover.fetch`, once bucket ``index``'s last write has landed (and
         :attr:`before_fetch` has returned)."""
         if self.before_fetch is not None:
             self.before_fetch(index)
-        if self._landing(index):
-            self.land(through=index)  # a bucket is read only after its last write has landed
+        if self._has_deferred_write(index):
+            self.advance_deferred_writes(through=index)  # a bucket is read only after its last write has landed
         return super().fetch(index, stats, moments, beside_training)
 
     def _make_room(
-        self, ahead: deque[Flight], writing: deque[Flight], room: int | None = None, wait: bool = True
+        self, ahead: deque[BucketInFlight], writing: deque[BucketInFlight], room: int | None = None, wait: bool = True
     ) -> bool:
         """Retire the oldest writes until another bucket may be materialized (at most
-        ``room`` holding memory in flight, default ``depth``; buckets that share their
+        ``room`` holding memory in flight, default ``max_in_flight``; buckets that share their
         home's bytes take none); False when the buckets in flight are all still being
         read or computed, or (without ``wait``) the oldest write is still running."""
-        while sum(f.holds_memory for f in ahead) + sum(f.holds_memory for f in writing) >= (room or self.depth):
+        while sum(f.holds_memory for f in ahead) + sum(f.holds_memory for f in writing) >= (room or self.max_in_flight):
             if not writing or not (wait or writing[0].writes is None or writing[0].writes.done()):
                 return False
             self._retire_oldest(writing)
@@ -232,8 +236,8 @@ class Pipeline(BucketMover):
         self,
         first: int,
         last: int,
-        ahead: deque[Flight],
-        writing: deque[Flight],
+        ahead: deque[BucketInFlight],
+        writing: deque[BucketInFlight],
         stats: StepStats,
         room: int | None = None,
         wait: bool = True,
@@ -250,7 +254,7 @@ class Pipeline(BucketMover):
                 return
             ahead.append(self.fetch(index, stats, beside_training=beside_training))
 
-    def _retire_oldest(self, writing: deque[Flight]) -> None:
+    def _retire_oldest(self, writing: deque[BucketInFlight]) -> None:
         """Wait for the oldest bucket's writes, then release its device memory. It
         leaves ``writing`` only then: after a failure the caller still aborts it."""
         flight = writing[0]
@@ -262,56 +266,58 @@ class Pipeline(BucketMover):
 
     # ---- the deferred writes ----------------------------------------------------------
 
-    def land(self, block: bool = False, through: int | None = None) -> None:
+    def advance_deferred_writes(self, block: bool = False, through: int | None = None) -> None:
         """Move the deferred writes along: submit those not yet submitted, then retire
         (wait for and release) the oldest while done; with ``block`` all of them, with
         ``through`` at least those up to bucket ``through``'s.
-        On an error the rest are aborted and :class:`LandingError` raised; an interrupt
+        On an error the rest are aborted and :class:`DeferredWriteError` raised; an interrupt
         leaves them pending for a later call."""
 
-        def wanted(flight: Flight) -> bool:
-            return block or flight.writes is None or flight.writes.done() or self._landing(through)
+        def wanted(flight: BucketInFlight) -> bool:
+            return block or flight.writes is None or flight.writes.done() or self._has_deferred_write(through)
 
         try:
-            for flight in self.landing:
+            for flight in self.deferred_writes:
                 # ``held`` is cleared only once submitted: an interrupt before leaves it to
-                # submit again. One after the ticket is recorded leaves both; the ticket is then
+                # submit again. One after the pending transfers are recorded leaves both; they are then
                 # the write (what is held is never read again), and submitting again would lose
-                # a running write's ticket.
+                # a running write's pending transfers.
                 if flight.held is not None and flight.writes is None:
                     flight.writes = self.engine.write(flight.handle, *flight.held, beside_training=True)
                     flight.held = None
-            while self.landing and wanted(self.landing[0]):
-                self._retire_oldest(self.landing)
+            while self.deferred_writes and wanted(self.deferred_writes[0]):
+                self._retire_oldest(self.deferred_writes)
         except Exception as exc:
-            landing, self.landing = list(self.landing), deque()
-            self.abort(landing, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
-            raise LandingError(f"a deferred write failed: {exc}") from exc
+            deferred_writes, self.deferred_writes = list(self.deferred_writes), deque()
+            self.abort(deferred_writes, 0.0 if isinstance(exc, StreamIOTimeout) else self.io_timeout_s)
+            raise DeferredWriteError(f"a deferred write failed: {exc}") from exc
 
-    def _landing(self, index: int | None) -> bool:
-        """Whether bucket ``index``'s deferred write is still in :attr:`landing`."""
-        return index is not None and any(flight.bucket.index == index for flight in self.landing)
+    def _has_deferred_write(self, index: int | None) -> bool:
+        """Whether bucket ``index``'s deferred write is still in :attr:`deferred_writes`."""
+        return index is not None and any(flight.bucket.index == index for flight in self.deferred_writes)
 
-    def drop_landing(self) -> None:
+    def drop_deferred_writes(self) -> None:
         """Forget the deferred writes (the step that made them failed, or the state is
         being deleted): those never submitted are released at once, the others once
         no transfer touches their memory (not waited for after a hang)."""
-        landing, self.landing = list(self.landing), deque()
-        for flight in landing:
+        deferred_writes, self.deferred_writes = list(self.deferred_writes), deque()
+        for flight in deferred_writes:
             flight.held = None
-        self.abort(landing, self.io_timeout_s)
+        self.abort(deferred_writes, self.io_timeout_s)
 
     # ---- prefetch --------------------------------------------------------------------
 
     def prefetch(self, window_bytes: int = 0, window_only: bool = False) -> None:
-        """Start, or extend, reading the first buckets of the next walk: ``depth`` of
+        """Start, or extend, reading the first buckets of the next walk: ``max_in_flight`` of
         them, or more while their materialized bytes fit ``window_bytes`` (only those
-        with ``window_only``). Buckets still in :attr:`landing` count against the
+        with ``window_only``). Buckets still in :attr:`deferred_writes` count against the
         window, and the reads stop before the first of them: a bucket is read
         only after its last write has landed."""
-        landing = {f.bucket.index: f.bucket.materialized_bytes for f in self.landing}
-        fit = len(leading_fit(self.buckets, window_bytes - sum(landing.values())))
-        count = min(fit if window_only else max(self.depth, fit), min(landing, default=len(self.buckets)))
+        deferred_writes = {f.bucket.index: f.bucket.materialized_bytes for f in self.deferred_writes}
+        fit = len(leading_fit(self.buckets, window_bytes - sum(deferred_writes.values())))
+        count = min(
+            fit if window_only else max(self.max_in_flight, fit), min(deferred_writes, default=len(self.buckets))
+        )
         if count <= len(self._prefetched):
             return
         try:
@@ -329,7 +335,7 @@ class Pipeline(BucketMover):
         self._prefetch_stats = StepStats()
         self.abort(flights, self.io_timeout_s)
 
-    def _take_prefetched(self, stats: StepStats) -> deque[Flight]:
+    def _take_prefetched(self, stats: StepStats) -> deque[BucketInFlight]:
         stats.add(self._prefetch_stats)
         ahead, self._prefetched, self._prefetch_stats = self._prefetched, deque(), StepStats()
         return ahead

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from miles_plugins.optimizers.formats.layout import BucketLayout
 from miles_plugins.optimizers.homes.placement import Placement
 from miles_plugins.optimizers.step.entries import EntryFn
-from miles_plugins.optimizers.step.flight import Flight
+from miles_plugins.optimizers.step.flight import BucketInFlight
 from miles_plugins.optimizers.step.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,12 @@ class StepRollback:
         self._copy_to_model = copy_to_model
         # Why no failed step can be rolled back, whatever it updated.
         self._blocker = "remainder mains need the params the step overwrote" if remainder_mains else None
-        self._updated: list[tuple[Flight, object]] = []  # buckets whose params this step changed, their prior state
+        self._updated: list[
+            tuple[BucketInFlight, object]
+        ] = []  # buckets whose params this step changed, their prior state
         self._resident_started = False
 
-    def record(self, flight: Flight) -> None:
+    def record(self, flight: BucketInFlight) -> None:
         """Keep the pre-update state of ``flight``'s bucket (not taken where no roll-back is possible)."""
         self._updated.append((flight, flight.optimizer.snapshot() if self._blocker is None else None))
 

@@ -114,7 +114,7 @@ class AssembledStore:
             self.file_bytes_total / 1e9,
             self.state_bytes_total / 1e9,
             self.bucket_bytes_max / 1e9,
-            config.depth,
+            config.max_in_flight,
             len(self._resident_entries),
             round(config.staging_bytes_total / 2**20, 2),
             f"{2 * config.transfer_threads * config.io_queues} chunks of {config.staging_bytes / 2**20:g} MiB"

@@ -1,4 +1,4 @@
-"""What a store moves between its steps, and how it settles before its stored state
+"""What a store moves between its steps, and how it finishes those transfers before its stored state
 is touched outside a step.
 
 Between steps the pipeline may hold buckets read ahead for the next step
@@ -6,7 +6,7 @@ Between steps the pipeline may hold buckets read ahead for the next step
 landing (``progress`` moves both along); a background save may be copying the
 state as a snapshot left it (``checkpoint/background.py``), each step waiting,
 bucket by bucket, for the bytes it would overwrite. Saves, loads, refreshes, the
-gpu home's moves, reading the state back and closing first *settle*: the
+gpu home's moves, reading the state back and closing first *finish the transfers*: the
 background save ended, every deferred write landed, every prefetched read
 dropped, the store still usable.
 """
@@ -19,7 +19,7 @@ import torch
 
 from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.config import StreamConfig
-from miles_plugins.optimizers.step.pipeline import LandingError
+from miles_plugins.optimizers.step.pipeline import DeferredWriteError
 from miles_plugins.optimizers.store.health import StoreHealth
 from miles_plugins.optimizers.store.parts import StoreParts
 
@@ -47,39 +47,40 @@ class BetweenSteps:
         self._background: BackgroundSave | None = None
 
     def start_background(self, save: BackgroundSave) -> None:
-        """Run ``save`` beside the steps that follow (the store is settled): each of their
+        """Run ``save`` beside the steps that follow (its transfers finished): each of their
         fetches waits for the bytes it would overwrite (``BackgroundSave.before_overwrite``)."""
+        save.start()
         self._background = save
         self._pipeline.before_fetch = save.before_overwrite
-        save.start()
 
     def end_background(self) -> None:
         """Wait until a background save has ended (its error is its owner's to see: it
-        was logged when it happened, and ``BackgroundSave.wait`` raises it)."""
-        save, self._background = self._background, None
+        was logged when it happened, and ``BackgroundSave.wait`` raises it). The guard
+        goes only then: an interrupt during the wait leaves both as they were."""
+        save = self._background
         if save is None:
             return
         try:
             save.wait()
         except Exception:  # noqa: BLE001 - reported by the save and its handle
             pass
-        finally:
-            self._pipeline.before_fetch = None
+        self._background = None
+        self._pipeline.before_fetch = None
 
-    def land(self, block: bool = False) -> None:
-        """Move the deferred writes along (``Pipeline.land``); a failure leaves the store refusing."""
-        if not self._pipeline.landing:
+    def advance_deferred_writes(self, block: bool = False) -> None:
+        """Move the deferred writes along (``Pipeline.advance_deferred_writes``); a failure leaves the store refusing."""
+        if not self._pipeline.deferred_writes:
             return
         try:
-            self._pipeline.land(block)
-        except LandingError as exc:
+            self._pipeline.advance_deferred_writes(block)
+        except DeferredWriteError as exc:
             raise self._health.late_failure(exc, self._steps_taken()) from exc.__cause__
 
     def prefetch(self) -> None:
         """``StreamingStore.prefetch``."""
         self._health.check_open()
         if self._config.pipelined:
-            self.land()  # reads stop before a bucket still landing; the step waits for it
+            self.advance_deferred_writes()  # reads stop before a bucket still landing; the step waits for it
             try:
                 self._pipeline.prefetch(self._config.overlap_bytes)
             finally:
@@ -92,7 +93,9 @@ class BetweenSteps:
         if not self._config.overlap_bytes or not self._health.usable or _capturing():
             return
         self._health.check_open()
-        self.land()
+        self.advance_deferred_writes()
+        if self._background is not None and not self._background.done():
+            return  # its guard could make a read ahead wait, and progress never waits
         try:
             self._window.read_ahead()
         finally:
@@ -106,13 +109,13 @@ class BetweenSteps:
             finally:
                 self._health.note_hang()
 
-    def settle(self) -> None:
+    def finish_transfers(self) -> None:
         """Before touching the stored state outside a step: wait for a background save,
         forget prefetched reads (they may hang: the store then refuses), and check the
         store may go on."""
         self._health.check_open()
         self.end_background()
-        self.land(block=True)
+        self.advance_deferred_writes(block=True)
         self.drop_prefetch()
         self._health.check_open()
 

@@ -32,5 +32,5 @@ def step_device_bytes_bound(
     largest = max((b.numel for b in buckets), default=0)
     per_element = ADAM_TEMPORARY_BYTES_PER_ELEMENT + grad_bytes_per_element
     scales = quant8.SCALE_DTYPE.itemsize * -(-largest // quant8.BLOCK) if config.blockwise_moments else 0
-    in_flight = config.depth * max((b.materialized_bytes for b in buckets), default=0)
+    in_flight = config.max_in_flight * max((b.materialized_bytes for b in buckets), default=0)
     return in_flight + overlap_bytes_bound + per_element * largest + CONVERSION_SCRATCH_BYTES + scales

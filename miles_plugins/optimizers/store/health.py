@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from miles_plugins.optimizers.errors import StoreUnusableError
-from miles_plugins.optimizers.step.pipeline import LandingError, Pipeline
+from miles_plugins.optimizers.step.pipeline import DeferredWriteError, Pipeline
 
 
 class StoreHealth:
@@ -57,7 +57,7 @@ class StoreHealth:
                 "Load a good checkpoint into a fresh process"
             )
 
-    def late_failure(self, exc: LandingError, step: int) -> StoreUnusableError:
+    def late_failure(self, exc: DeferredWriteError, step: int) -> StoreUnusableError:
         """Mark the store damaged by a failed deferred write of step ``step``; the error to raise."""
         self.damaged = (
             f"writes of step {step}, deferred past its end by the overlap window, failed "

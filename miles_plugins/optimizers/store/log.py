@@ -53,13 +53,13 @@ def warn_about_residency(config: StreamConfig, buckets: Sequence[BucketLayout], 
     # more params than buckets in flight no cap helps; at the default cap (sized for
     # large models) a state this small is left unsaid.
     params = sum(len(b.entry_indices) for b in buckets)
-    if len(buckets) <= config.depth < params and config.bucket_cap_elements != DEFAULT_BUCKET_CAP_ELEMENTS:
+    if len(buckets) <= config.max_in_flight < params and config.bucket_cap_elements != DEFAULT_BUCKET_CAP_ELEMENTS:
         logger.warning(
             "all %d buckets fit in the %d in flight: the whole streamed state (%.2f GB) is on the device "
             "during a step, as without streaming; lower the bucket cap (now %d elements; a param is never "
             "split, the largest bucket holds %d) to bound it",
             len(buckets),
-            config.depth,
+            config.max_in_flight,
             sum(b.materialized_bytes for b in buckets) / 1e9,
             config.bucket_cap_elements,
             max(b.numel for b in buckets),

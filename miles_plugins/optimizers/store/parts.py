@@ -74,7 +74,7 @@ def assemble(
     config: StreamConfig,
     *,
     auto_gpu_room: bool,
-    settle: Callable[[], None],
+    finish_transfers: Callable[[], None],
     topology: dict[str, int] | None,
     param_layout: dict | None,
     param_facts: dict | None,
@@ -82,7 +82,7 @@ def assemble(
 ) -> StoreParts:
     """The parts of a store over ``entries`` (``StreamingStore``'s arguments);
     ``auto_gpu_room``: lend the gpu home the device's room at setup where host and
-    disk cannot hold the state; ``settle``: the store's, run before a bucket changes place."""
+    disk cannot hold the state; ``finish_transfers``: the store's, run before a bucket changes place."""
     plan = plan_buckets(entries, backend, config)
     buckets, device = plan.buckets, plan.device
     # Each bucket's home and a disk bucket's directory, with the directories' scratches:
@@ -112,7 +112,7 @@ def assemble(
                 engine=engine,
                 pipeline=pipeline,
                 device=device,
-                settle=settle,
+                finish_transfers=finish_transfers,
             ),
             persistence=_persistence(entries, config, plan, description, backing, engine, codec, master_options),
         )
@@ -141,7 +141,7 @@ def _pipeline(
         codec=codec,
         device=plan.device,
         io_timeout_s=config.io_timeout_s,
-        depth=config.depth,
+        max_in_flight=config.max_in_flight,
         drain_before=first_written_in_place(plan.buckets, placed),
     )
 

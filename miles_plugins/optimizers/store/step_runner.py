@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
-from miles_plugins.optimizers.step.flight import Flight
-from miles_plugins.optimizers.step.pipeline import LandingError
+from miles_plugins.optimizers.step.flight import BucketInFlight
+from miles_plugins.optimizers.step.pipeline import DeferredWriteError
 from miles_plugins.optimizers.step.rollback import StepRollback
 from miles_plugins.optimizers.store.between_steps import BetweenSteps
 from miles_plugins.optimizers.store.health import StoreHealth
@@ -64,7 +64,7 @@ class StepRunner:
             remainder_mains=self._remainder_mains,
         )
 
-        def update(flight: Flight) -> None:
+        def update(flight: BucketInFlight) -> None:
             rollback.record(flight)
             self.update(flight)
 
@@ -84,7 +84,7 @@ class StepRunner:
                 self.attach_grads(self._parts.plan.resident_entries)
                 rollback.resident_started()
                 self._resident_optimizer.step()
-        except LandingError as exc:
+        except DeferredWriteError as exc:
             # The previous step's deferred write, waited for by this walk: the stored state
             # is lost, so nothing is rolled back to it.
             raise self._health.late_failure(exc, step_number - 1) from exc.__cause__
@@ -104,16 +104,16 @@ class StepRunner:
     def _roll_back(self, exc: BaseException, rollback: StepRollback, walked: bool) -> None:
         """After a step failed with ``exc``: undo it, or leave the store damaged saying why not."""
         if walked:
-            self._pipeline.drop_landing()  # this step's deferred writes must not land
+            self._pipeline.drop_deferred_writes()  # this step's deferred writes must not land
         elif not self._pipeline.hung:
             # The previous step's must: they are the stored state, and one that failed
             # is reported (naming its step) instead of rolling back onto lost state.
             # Not after a hang: the roll-back refuses then, and waiting again would
             # double the time a hung drive takes to fail.
-            self._between_steps.land(block=True)
+            self._between_steps.advance_deferred_writes(block=True)
         self._health.damaged = rollback.undo(exc)
 
-    def update(self, flight: Flight) -> None:
+    def update(self, flight: BucketInFlight) -> None:
         """The Adam update of one materialized bucket; its mains then go to the model."""
         optimizer = flight.optimizer
         self.attach_grads(flight.bucket.entry_indices)
@@ -143,7 +143,7 @@ class StepRunner:
         In place: a failure part way leaves the mains mixed, and the store refuses
         to step (after construction: the caller's refresh can then not be trusted)."""
 
-        def fill_mains(flight: Flight) -> None:
+        def fill_mains(flight: BucketInFlight) -> None:
             if fill is not None:
                 for entry in flight.entries:
                     fill(entry.param, entry.main)

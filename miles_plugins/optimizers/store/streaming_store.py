@@ -113,7 +113,7 @@ class StreamingStore(AssembledStore):
             backend,
             config,
             auto_gpu_room=auto_gpu_wanted,
-            settle=self._settle,
+            finish_transfers=self._finish_transfers,
             topology=topology,
             param_layout=param_layout,
             param_facts=param_facts,
@@ -185,7 +185,7 @@ class StreamingStore(AssembledStore):
         self.health.check_open()
         # The previous step's deferred writes go out now if no progress() sent them; the walk
         # waits for each just before reading its bucket, so they run beside its reads.
-        self._between_steps.land()
+        self._between_steps.advance_deferred_writes()
         while self._step_checks:
             self._step_checks[0]()  # raises to refuse the step; the check then stays armed
             self._step_checks.pop(0)
@@ -235,7 +235,7 @@ class StreamingStore(AssembledStore):
         GPU budget the buckets go back to their places below instead (no memory
         pinned; only those placed on the device at setup, which have none, go to
         pinned host memory), and the budget fills the home again when it is restored."""
-        self._settle()
+        self._finish_transfers()
         self._pipeline.codec.release()
         self._gpu_home.offload(self, self.auto_gpu)
         if self._device.type == "cuda":
@@ -246,14 +246,14 @@ class StreamingStore(AssembledStore):
     def restore_device_home(self) -> None:
         """Bring what :meth:`offload_device_home` moved back into device memory (with an
         auto GPU budget: fill the home again, once the last store sharing it is restored)."""
-        self._settle()
+        self._finish_transfers()
         self._gpu_home.restore()
         if self.auto_gpu is not None:
             self.auto_gpu.restored(self)
 
     def refresh_main_from_model_params(self, copy_fn: CopyFn) -> None:
         """Rebuild every streamed main from its model param; moments stay as they are."""
-        self._settle()
+        self._finish_transfers()
         self._steps.write_mains(copy_fn)
 
     def save_to(self, base_dir: str, *, asynchronous: bool = False) -> BackgroundSave | None:
@@ -265,7 +265,7 @@ class StreamingStore(AssembledStore):
         :class:`BackgroundSave`'s ``wait()`` says when it is complete and in place. A save
         started before it has ended waits for it first, as do loads, refreshes, the gpu
         home's moves, reading the state back and :meth:`close`."""
-        self._settle()
+        self._finish_transfers()
         writer = CheckpointWriter(self._parts.persistence)
         if not asynchronous:
             writer.save(base_dir, self.steps_taken)
@@ -287,7 +287,7 @@ class StreamingStore(AssembledStore):
         every problem at once) is refused with :class:`CheckpointMismatchError`
         before anything live changes, leaving the store as it was; a failure
         after that leaves it refusing to step."""
-        self._settle()
+        self._finish_transfers()
         steps = CheckpointReader(self._parts.persistence).load(base_dir, self.health.mark_damaged, expected_steps)
         if steps is None:
             return False
@@ -299,7 +299,7 @@ class StreamingStore(AssembledStore):
         if self.health.closed:
             return
         self._between_steps.end_background()  # it reads the state about to be deleted
-        self._pipeline.drop_landing()  # the state is deleted: what has not gone out need not
+        self._pipeline.drop_deferred_writes()  # the state is deleted: what has not gone out need not
         self._pipeline.drop_prefetch()
         if self.auto_gpu is not None:
             self.auto_gpu.unregister(self)
@@ -310,10 +310,10 @@ class StreamingStore(AssembledStore):
         self._parts.shut_down()
         self._backing = None
 
-    def _settle(self) -> None:
+    def _finish_transfers(self) -> None:
         """Land the deferred writes and drop what was prefetched before the stored state
-        is touched outside a step (``BetweenSteps.settle``)."""
-        self._between_steps.settle()
+        is touched outside a step (``BetweenSteps.finish_transfers``)."""
+        self._between_steps.finish_transfers()
 
     # ---- reading the state back (tests, the demo, checkpoint export) ---------
 
@@ -321,22 +321,22 @@ class StreamingStore(AssembledStore):
     def iter_state(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Yield (entry index, main, exp_avg, exp_avg_sq) as fp32 CPU copies, one bucket
         in memory at a time; moments are None before the entry's first update."""
-        self._settle()
+        self._finish_transfers()
         yield from _state_copies(self)
 
 
 def _state_copies(
     store: StreamingStore,
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """:meth:`StreamingStore.iter_state`'s walk, once the store is settled."""
+    """:meth:`StreamingStore.iter_state`'s walk, once the store's transfers are finished."""
     for i in store._resident_entries:
         moments = store._resident_optimizer.moments(store.entries[i].main)
         yield (i, store.entries[i].main.detach().cpu().clone(), *_cpu_copies(moments))
     for bucket in store.buckets:
         # The whole bucket is copied and released before anything is yielded: a
         # caller may step, load or refresh while this generator is suspended, or
-        # run a forward whose progress() reads ahead: settled again each time.
-        store._settle()
+        # run a forward whose progress() reads ahead: finished again each time.
+        store._finish_transfers()
         with store._pipeline.read_one(bucket.index) as flight:
             copies = [
                 (i, entry.main.cpu().clone(), *_cpu_copies(flight.optimizer.moments(entry.main)))

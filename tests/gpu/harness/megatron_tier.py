@@ -346,7 +346,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
         "accounted_max_state_bytes_per_store": [b.store.accounted_max_state_bytes for b in bindings],
         "bucket_bytes_max_per_store": [b.store.bucket_bytes_max for b in bindings],
         "buckets": sum(len(b.store.buckets) for b in bindings),
-        "buckets_in_flight": bindings[0].store.config.depth,
+        "buckets_in_flight": bindings[0].store.config.max_in_flight,
     }
     # Evidence per rank: the counters of every store, and that the state dict
     # family answers without touching evicted storage.

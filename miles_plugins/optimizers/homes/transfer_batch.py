@@ -1,6 +1,6 @@
-"""What an engine gives back for transfers submitted together: a ticket to wait on.
+"""What an engine gives back for transfers submitted together: pending transfers to wait on.
 
-:class:`TransferTicket` satisfies :class:`~miles_plugins.optimizers.homes.protocols.Ticket`.
+:class:`TransferBatch` satisfies :class:`~miles_plugins.optimizers.homes.protocols.PendingTransfers`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from miles_plugins.optimizers.errors import StreamIOTimeout
 _EVENT_POLL_S = 50e-6
 
 
-class TransferTicket:
+class TransferBatch:
     """Transfers submitted together; ``wait()`` returns when all are done and
     raises the first failure (after every transfer has stopped touching memory),
     or :class:`StreamIOTimeout` when they are not all done within ``timeout_s``
     (or the ``timeout_s`` given to that wait: an abort after a failure waits
     only for what is left of its own deadline). A transfer is a thread's request
     (a future) or copies queued on a device stream (a CUDA event recorded after them).
-    With none, the transfers ran before the ticket was made."""
+    With none, the transfers ran before the batch was made."""
 
     def __init__(
         self,
