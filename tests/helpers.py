@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -177,6 +178,16 @@ def finish_and_save_again(ckpt, model, optimizer, scheduler, streamed) -> None:
     streamed.save_to(str(ckpt))
     assert sorted(os.listdir(ckpt)) == ["rank0", "rest.pt"], "the next save clears what the failure left"
     streamed.close()
+
+
+def partial_dirs(ckpt, name: str = "rank0") -> list[Path]:
+    """The partial directories of saves of ``name`` in ``ckpt`` (one per saver)."""
+    return sorted(Path(ckpt).glob(f".{name}.partial-*"))
+
+
+def listing(directory) -> list[str]:
+    """``directory``'s entries, sorted, each saver's partial directory as ``.<name>.partial-*``."""
+    return sorted(re.sub(r"(\.partial)-[^/]+$", r"\1-*", entry) for entry in os.listdir(directory))
 
 
 def refusal(tmp_path, ckpt, **kw) -> str:

@@ -363,8 +363,8 @@ def _check_numbers(config: StreamConfig) -> None:
         raise StreamConfigError(f"io timeout must be a positive number of seconds, got {timeout!r}")
 
 
-# The scratch name names files beside it too (``.<name>.lock``, ``.<name>.partial.lock``):
-# the longest a filesystem allows a name (255 bytes) less those additions.
+# The scratch name names files beside it too (``.<name>.lock``, a save's ``.<name>.partial-<host>-<pid>-<token>``,
+# 35 bytes more): the longest a filesystem allows a name (255 bytes) less those additions.
 MAX_NAME_BYTES = 200
 
 
@@ -372,14 +372,13 @@ def _check_name(name: object) -> None:
     if (
         not isinstance(name, str)
         or not name
-        or "/" in name
-        or "\0" in name
-        or name in (".", "..")
+        or name.startswith(".")
+        or any(part in name for part in ("/", "\0", ".partial"))
         or len(os.fsencode(name)) > MAX_NAME_BYTES
     ):
         raise StreamConfigError(
-            f"scratch name must be a single path component of at most {MAX_NAME_BYTES} bytes, without '/' or NUL, "
-            f"got {name!r}"
+            f"scratch name must be one path component of at most {MAX_NAME_BYTES} bytes without '/', NUL, a leading "
+            f"'.' or '.partial' (a save's partial directories and locks are named so), got {name!r}"
         )
 
 

@@ -48,8 +48,8 @@ def die_between_the_fallback_renames(streamed, ckpt: Path) -> None:
     real_rename = os.rename
 
     def rename(src, dst):
-        if str(src).endswith(".rank0.partial") and str(dst).endswith("/rank0"):
-            os._exit(9)  # the previous save is at .rank0.previous, the new one still .rank0.partial
+        if os.path.basename(src).startswith(".rank0.partial-") and str(dst).endswith("/rank0"):
+            os._exit(9)  # the previous save is at .rank0.previous, the new one still in its partial directory
         return real_rename(src, dst)
 
     os.rename = rename

@@ -235,9 +235,13 @@ def test_remainder_mains_with_no_bf16_param_are_refused(tmp_path):
 @pytest.mark.parametrize(
     "field, value, says",
     [
-        ("name", "a\0b", "scratch name must be a single path component"),
-        ("name", "x" * 201, "scratch name must be a single path component of at most 200 bytes"),
-        ("name", 7, "scratch name must be a single path component"),
+        ("name", "a\0b", "scratch name must be one path component"),
+        ("name", "x" * 201, "scratch name must be one path component of at most 200 bytes"),
+        ("name", 7, "scratch name must be one path component"),
+        # A save's partial directories and locks are named ".<name>.partial...": a name of
+        # that shape would be taken for one of them (and removed as a cut-off save's).
+        ("name", ".rank0", "without '/', NUL, a leading '.' or '.partial'"),
+        ("name", "rank0.partial-h-1-t", "without '/', NUL, a leading '.' or '.partial'"),
         ("resident_warn_elements", "x", "resident warn elements must be a whole number of elements"),
         ("resident_warn_elements", -1, "resident warn elements must be a whole number of elements"),
         ("resident_warn_elements", True, "resident warn elements must be a whole number of elements"),

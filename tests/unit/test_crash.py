@@ -14,7 +14,7 @@ import time
 import pytest
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
-from tests.helpers import SAVE_AT, finish_and_save_again, resume, start
+from tests.helpers import SAVE_AT, finish_and_save_again, partial_dirs, resume, start
 
 pytestmark = pytest.mark.fault
 
@@ -42,7 +42,7 @@ def test_a_killed_process_restarts_from_its_last_checkpoint(tmp_path, caplog, fa
     saved = json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())
     assert saved["steps_taken"] == SAVE_AT, "the complete checkpoint is the one before the kill"
     if kill_in == "save":
-        partial = ckpt / ".rank0.partial"
+        (partial,) = partial_dirs(ckpt)
         assert partial.is_dir() and not (partial / MANIFEST_NAME).exists(), "the save was cut off half way"
 
     with caplog.at_level(logging.INFO):
@@ -55,7 +55,7 @@ def test_a_killed_process_restarts_from_its_last_checkpoint(tmp_path, caplog, fa
         "restart purges the scratch; the cut-off save is never taken for a complete one; the last "
         "checkpoint resumes byte-identical",
         "stale scratch purged at restart; "
-        + ("the half-written .rank0.partial ignored, then removed by the next save; " if kill_in == "save" else "")
+        + ("the half-written partial directory ignored, then removed by the next save; " if kill_in == "save" else "")
         + f"loaded the step-{SAVE_AT} checkpoint; finished byte-identical to an uninterrupted run",
         "the steps since the last checkpoint (the killed process's params and grads died with it, as "
         "without streaming)",

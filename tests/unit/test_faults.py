@@ -35,6 +35,7 @@ from tests.helpers import (
     STEPS,
     all_three_homes,
     fresh,
+    partial_dirs,
     resume,
     save_run,
     state_of,
@@ -399,7 +400,7 @@ def test_a_save_or_load_aimed_at_a_live_scratch_is_refused_and_the_run_goes_on(t
                 call(str(target))
             refusals.append(str(info.value))
     assert (_contents(scratch), _contents(tmp_path / "nest" / "rank0" / "rank0")) == live
-    assert not (tmp_path / "scratch" / ".rank0.partial").exists() and not (scratch / "rank0").exists()
+    assert not partial_dirs(tmp_path / "scratch") and not (scratch / "rank0").exists()
     other.close()
     _retry_and_finish(model, optimizer, scheduler, streamed)
     streamed.close()

@@ -18,7 +18,18 @@ import torch
 
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.homes import dir_replace
-from tests.helpers import SAVE_AT, STEPS, finish_and_save_again, resume, save_run, start, state_of, train
+from tests.helpers import (
+    SAVE_AT,
+    STEPS,
+    finish_and_save_again,
+    listing,
+    partial_dirs,
+    resume,
+    save_run,
+    start,
+    state_of,
+    train,
+)
 from tests.unit.reference import assert_same_training, reference_run
 
 
@@ -78,9 +89,9 @@ def test_a_crash_between_the_fallback_renames_resumes_from_the_previous_save(tmp
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == 9, stderr[-3000:]
     ckpt = tmp_path / "ckpt"
-    left = sorted(os.listdir(ckpt))
+    left = listing(ckpt)
     # The lock file stays too (a dead holder's flock is gone with it): the next save takes it.
-    assert left == [".rank0.partial", ".rank0.partial.lock", ".rank0.previous", "rest.pt"], left
+    assert left == [".rank0.partial-*", ".rank0.partial.lock", ".rank0.previous", "rest.pt"], left
     with caplog.at_level(logging.WARNING):
         model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
         assert streamed.load_from(str(ckpt))
@@ -197,9 +208,10 @@ def test_an_interrupt_right_after_the_exchange_keeps_the_complete_new_save(tmp_p
     with pytest.raises(KeyboardInterrupt):
         streamed.save_to(str(ckpt))
     monkeypatch.undo()
-    left = sorted(os.listdir(ckpt))
-    assert left == [".rank0.partial", "rank0", "rest.pt"], left
-    assert json.loads((ckpt / ".rank0.partial" / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT
+    left = listing(ckpt)
+    assert left == [".rank0.partial-*", "rank0", "rest.pt"], left
+    (partial,) = partial_dirs(ckpt)
+    assert json.loads((partial / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT
     streamed.close()
     model, optimizer, scheduler, streamed = resume(tmp_path, ckpt)
     assert streamed.load_from(str(ckpt)) and streamed.store.steps_taken == SAVE_AT + 1

@@ -4,7 +4,8 @@ of the store it is read from and written into.
 A saved store is one directory (see ``manifest.py`` for its files)::
 
     <base_dir>/<name>/             the complete save
-    <base_dir>/.<name>.partial/    a save being written (never read)
+    <base_dir>/.<name>.partial-<host>-<pid>-<token>/
+                                   a save being written (never read; one per saver)
     <base_dir>/.<name>.partial.lock held (flock) by the process writing it
     <base_dir>/.<name>.previous/   the previous save, while a replace without
                                    RENAME_EXCHANGE is under way (dir_replace.replace_dir)

@@ -25,6 +25,7 @@ import torch
 
 from miles_plugins.optimizers.checkpoint.group_options import options_to_json
 from miles_plugins.optimizers.checkpoint.manifest import CRC_BLOCK_BYTES, RESIDENT_FILE, Manifest
+from miles_plugins.optimizers.checkpoint.partials import new_partial_path, remove_stale_partials
 from miles_plugins.optimizers.checkpoint.persistence import Persistence, refuse_live_scratch
 from miles_plugins.optimizers.homes.dir_replace import replace_dir
 from miles_plugins.optimizers.homes.file_io import BlockCrc, pwrite_full
@@ -77,8 +78,9 @@ class CheckpointWriter:
         that ``base_dir/<name>`` is clear of every live scratch (:func:`refuse_live_scratch`),
         takes the lock ``base_dir/.<name>.partial.lock`` (held until the save is
         published or abandoned; a second saver of the name is refused, naming the
-        holder), makes sure ``base_dir`` has room for the whole save, creates the
-        partial directory and takes the :class:`Snapshot`. ``buffer``: the host
+        holder), removes what cut-off saves left, makes sure ``base_dir`` has room for
+        the whole save, creates a partial directory of its own (``partials.py``) and
+        takes the :class:`Snapshot`. ``buffer``: the host
         staging its copies go through (default: the engine's idle chunk, which only a
         save between steps may use). On a failure nothing is left but the previous save."""
         final = os.path.join(base_dir, self.parts.name)
@@ -87,9 +89,8 @@ class CheckpointWriter:
             "save the optimizer state to",
             "the save would replace its live state, and closing it would delete the save",
         )
-        partial = os.path.join(base_dir, f".{self.parts.name}.partial")
         make_dirs(base_dir)
-        lock_path = f"{partial}.lock"
+        lock_path = os.path.join(base_dir, f".{self.parts.name}.partial.lock")
         lock = lock_writer(
             lock_path,
             f"a save of the optimizer state {self.parts.name} into {base_dir}",
@@ -97,7 +98,8 @@ class CheckpointWriter:
             logger.warning,
         )
         try:
-            remove_private_dir(partial)  # left by a save that was cut off (its lock is gone with it)
+            remove_stale_partials(base_dir, self.parts.name, locked=lock is not None)
+            partial = new_partial_path(base_dir, self.parts.name)
             needed = sum(b.file_size for b in self.parts.buckets) + self.parts.resident_bytes()
             require_free_space(base_dir, needed, "a save of the optimizer state", "; a previous save there is kept")
             make_private_dir(partial)
@@ -164,9 +166,9 @@ class PendingWrite:
     def run(self, exported: Callable[[int], None] = lambda index: None) -> None:
         """Write every file, publish, release the lock; ``exported(index)`` is called once
         bucket ``index``'s bytes are copied (a step may overwrite them from then on)."""
-        start = time.perf_counter()
         try:
             try:
+                start = time.perf_counter()
                 files = self._write(exported)
                 replace_dir(self.partial, self.final)
             except BaseException:

@@ -77,8 +77,14 @@ def lock_writer(path: str, what: str, advice: str, warn: Callable[[str], None]) 
             0,
             errno.EBUSY,
         )
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    try:
+        # Who holds it, for a refused saver's message: worth no failure of its own (a full disk).
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except BaseException:  # an interrupt: the lock must not outlive this call
+        unlock_file(path, fd)
+        raise
     return fd
 
 

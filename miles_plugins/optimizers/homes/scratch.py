@@ -124,8 +124,16 @@ class ScratchDir:
                 f"{self.path} is in use by another process, or by another store of this one (lock "
                 f"{self._lock_path} held for {_LOCK_WAIT_S:g} s); give each its own scratch name or directory"
             )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, LOCK_MARKER, 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, LOCK_MARKER, 0)  # the purge command removes only scratch whose lock says so
+        except BaseException as exc:
+            unlock_file(self._lock_path, fd)
+            if isinstance(exc, OSError):
+                raise StreamIOError(
+                    f"cannot write the lock {self._lock_path}: {exc.strerror}", self._lock_path, 0, exc.errno
+                ) from exc
+            raise
         self._lock_fd = fd
 
     def _unlock(self) -> None:
