@@ -9,11 +9,13 @@ every write there) so that steps really run while the save is copying.
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
+from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import StreamIOError
 from tests.faults import FaultPlan
@@ -209,20 +211,55 @@ def test_the_overlap_window_reads_nothing_ahead_while_a_background_save_runs(tmp
     streamed.close()
 
 
-def test_a_save_whose_thread_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch):
-    import threading
-
+@pytest.mark.parametrize("fails", ["its thread cannot start", "an interrupt before its thread starts"])
+def test_a_background_save_that_never_starts_leaves_nothing_behind(tmp_path, monkeypatch, fails):
+    """No partial directory, no lock (a later save of the name would be refused), no
+    guard left for the steps to wait on."""
     model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", bucket_cap_elements=CAP)
     train(model, optimizer, scheduler, range(2))
 
     def no_thread(self):
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(threading.Thread, "start", no_thread)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    if fails == "its thread cannot start":
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+    else:
+        monkeypatch.setattr(BackgroundSave, "__init__", interrupted)
+    with pytest.raises((RuntimeError, KeyboardInterrupt)):
         streamed.save_to(str(tmp_path / "ckpt"), asynchronous=True)
     monkeypatch.undo()
     assert os.listdir(tmp_path / "ckpt") == [], "no partial directory, no lock file"
     train(model, optimizer, scheduler, range(2, 3))  # no guard was left to wait on
-    streamed.save_to(str(tmp_path / "ckpt"))
+    streamed.save_to(str(tmp_path / "ckpt"), asynchronous=True).wait()
     streamed.close()
+
+
+def test_an_interrupt_once_the_saves_thread_runs_leaves_it_running_under_its_guard(tmp_path, monkeypatch):
+    """Ctrl-C inside the thread's start, after the thread began: the caller sees the
+    interrupt, the save goes on, and the steps after it (host home: written in place)
+    still wait for the bytes it has to copy, so it holds the state it was taken at."""
+    ckpt = tmp_path / "ckpt"
+    model, optimizer, scheduler, streamed = fresh(tmp_path, "rank0", bucket_cap_elements=CAP, tier="host")
+    train(model, optimizer, scheduler, range(SAVE_AT))
+    ckpt.mkdir()
+    torch.save({"model": model.state_dict(), "scheduler": scheduler.state_dict()}, ckpt / "rest.pt")
+    real_start = threading.Thread.start
+
+    def started_then_interrupted(self):
+        real_start(self)
+        raise KeyboardInterrupt
+
+    with FaultPlan(ckpt, "write", nth=1, fault="hang", times=None, hang_s=0.05):
+        monkeypatch.setattr(threading.Thread, "start", started_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            streamed.save_to(str(ckpt), asynchronous=True)
+        monkeypatch.undo()
+        train(model, optimizer, scheduler, range(SAVE_AT, SAVE_AT + 3))
+        streamed.close()  # waits for the save
+    assert json.loads((ckpt / "rank0" / MANIFEST_NAME).read_text())["steps_taken"] == SAVE_AT
+    model, optimizer, scheduler, streamed = resume(tmp_path, ckpt, bucket_cap_elements=CAP, tier="host")
+    assert streamed.load_from(str(ckpt))
+    finish_and_save_again(ckpt, model, optimizer, scheduler, streamed)

@@ -18,8 +18,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from miles_plugins.optimizers.checkpoint.writer import PendingWrite
+import torch
+
+from miles_plugins.optimizers.checkpoint.writer import CheckpointWriter, PendingWrite
 from miles_plugins.optimizers.formats.layout import BucketLayout
+from miles_plugins.optimizers.homes.host_memory import HostMemory
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +43,58 @@ class BackgroundSave:
         self._write, self._buckets, self._on_end = write, buckets, on_end
         self._exported: set[int] = set()
         self._ended = False
+        self._state = "new"  # then "running" (by the thread) or "abandoned" (by start), whichever first
         self._error: BaseException | None = None
         self._changed = threading.Condition()
         # What the save cost the steps that ran beside it (accounting, for the bench and the log).
         self.waited_buckets, self.waited_s = 0, 0.0
         self._thread = threading.Thread(target=self._run, name=f"save {write.parts.name}")
 
+    @classmethod
+    def begin(
+        cls, writer: CheckpointWriter, base_dir: str, steps_taken: int, staging_bytes: int, buckets
+    ) -> BackgroundSave:
+        """A save by ``writer`` into ``base_dir``, snapshotted, ready to :meth:`start`, staging
+        through host memory of its own (``staging_bytes``, released when it ends). Where this
+        fails (an interrupt included), nothing of the save is left."""
+        buffer = HostMemory(staging_bytes, pin=torch.cuda.is_available())
+        pending = None
+        try:
+            pending = writer.begin(base_dir, steps_taken, buffer)
+            return cls(pending, buckets, buffer.release)
+        except BaseException:
+            try:
+                if pending is not None:
+                    pending.abandon()
+            finally:
+                buffer.release()
+            raise
+
     def start(self) -> None:
         """Start the thread; where it cannot start, the save is abandoned (nothing of it
-        is left but the previous save) and the error raised."""
+        is left but the previous save) and the error raised. An interrupt that arrives
+        once the thread runs is raised too, the save going on (:meth:`done` tells which)."""
         try:
             self._thread.start()
         except BaseException:
-            try:
-                self._write.abandon()
-            finally:
-                self._end()
+            if self._claim("abandoned"):  # the thread never ran, and now never will
+                try:
+                    self._write.abandon()
+                finally:
+                    self._end()
             raise
 
+    def _claim(self, state: str) -> bool:
+        """Move from "new" to ``state`` ("running" or "abandoned"); False where the other came first."""
+        with self._changed:
+            if self._state != "new":
+                return False
+            self._state = state
+            return True
+
     def _run(self) -> None:
+        if not self._claim("running"):
+            return  # abandoned by a start() that was interrupted before this thread ran
         try:
             self._write.run(exported=self._mark_exported)
         except BaseException as exc:

@@ -49,9 +49,16 @@ class BetweenSteps:
     def start_background(self, save: BackgroundSave) -> None:
         """Run ``save`` beside the steps that follow (its transfers finished): each of their
         fetches waits for the bytes it would overwrite (``BackgroundSave.before_overwrite``)."""
-        save.start()
+        # The guard first: a save running without it would copy bytes later steps changed.
         self._background = save
         self._pipeline.before_fetch = save.before_overwrite
+        try:
+            save.start()
+        except BaseException:
+            if save.done():  # it never ran (an interrupt once it runs leaves it running, guarded)
+                self._background = None
+                self._pipeline.before_fetch = None
+            raise
 
     def end_background(self) -> None:
         """Wait until a background save has ended (its error is its owner's to see: it

@@ -21,7 +21,6 @@ from miles_plugins.optimizers.checkpoint.writer import CheckpointWriter
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.homes import auto_budget
 from miles_plugins.optimizers.homes.auto_budget import AutoGpuBudget
-from miles_plugins.optimizers.homes.host_memory import HostMemory
 from miles_plugins.optimizers.step.adam import AdamBackend
 from miles_plugins.optimizers.step.entries import CopyFn, Entry, EntryFn, GradFn, StepStats
 from miles_plugins.optimizers.store.assembled import AssembledStore
@@ -271,13 +270,8 @@ class StreamingStore(AssembledStore):
             writer.save(base_dir, self.steps_taken)
             return None
         # Its own staging (the engine's is the steps' from now on), one chunk.
-        buffer = HostMemory(self.config.staging_bytes, pin=torch.cuda.is_available())
-        try:
-            save = BackgroundSave(writer.begin(base_dir, self.steps_taken, buffer), self.buckets, buffer.release)
-        except BaseException:
-            buffer.release()
-            raise
-        self._between_steps.start_background(save)
+        save = BackgroundSave.begin(writer, base_dir, self.steps_taken, self.config.staging_bytes, self.buckets)
+        self._between_steps.start_background(save)  # from here the save's thread owns its cleanup
         return save
 
     def load_from(self, base_dir: str, *, expected_steps: int | None = None) -> bool:
