@@ -192,7 +192,7 @@ class FileBacking:
     ) -> None:
         """Copy the bucket's committed bytes (or the slot ``snapshot`` names) into an open file, through ``crc``."""
         path = self.path(bucket, snapshot)
-        fd = open_file(path, os.O_RDONLY)
+        fd = open_file(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))  # as the steps read it
         try:
             copy_file_crc32(fd, path, dst_fd, dst_path, bucket.file_size, buffer.view, crc)
         finally:
