@@ -27,10 +27,10 @@ owns ``<iteration dir>/streamed_optimizer_state/<store name>/``. No torch here
 
 With ``--async-save`` Megatron hands the save an ``AsyncRequest`` whose finalize
 functions run on every rank, in order, once its own part is written on all of
-them; rank 0's last one writes the tracker that marks the iteration complete. The
-stores then save in the background (``save_to(..., asynchronous=True)``), and a
-finalize function added before the tracker's joins them and agrees across ranks:
-where any rank's failed, every rank raises, and the tracker is not written.
+them; rank 0's writes the tracker that marks the iteration complete. The stores
+then save in the background (``save_to(..., asynchronous=True)``), and a finalize
+function added before the tracker's lets it run only once every rank's streamed
+state is saved, without stopping training meanwhile (``async_finalize.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import sys
 import weakref
 from typing import Any
 
-from megatron_hooks.contract import ANSWERED_HOOK_ABIS, HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore, PendingSave
+from megatron_hooks.async_finalize import FinishStreamedSaves, clear_markers, finish_deferred
+from megatron_hooks.contract import ANSWERED_HOOK_ABIS, HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
 
 logger = logging.getLogger(__name__)
 
@@ -111,38 +112,23 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any, async_
     for store in stores:
         if store in _awaiting_continuation:  # not stepped since its load: the run may count from elsewhere
             _check_continuation(*_awaiting_continuation[store])
+    finish_deferred(block=True)  # an earlier checkpoint's tracker first (each store saves one at a time anyway)
     if async_save_request is None:
         for store in stores:
             store.save_to(directory)
         return
+    rank, world_size = _rank_and_world_size()
+    clear_markers(directory, rank)
     pending = [store.save_to(directory, asynchronous=True) for store in stores]
-    async_save_request.add_finalize_fn(lambda: _finish_background_saves(pending, directory))
+    async_save_request.add_finalize_fn(FinishStreamedSaves(pending, stores, directory, rank, world_size))
 
 
-def _finish_background_saves(pending: list[PendingSave], directory: str) -> None:
-    """The finalize of an asynchronous checkpoint: wait for this rank's background
-    saves, then agree with every rank; raise on all of them where any failed, before
-    the finalize functions after this one (rank 0's writes the tracker) run."""
-    failure = None
-    for save in pending:
-        try:
-            save.wait()
-        except Exception as exc:  # noqa: BLE001 - agreed on below, raised on every rank
-            failure = failure or exc
-    failed_anywhere = failure is not None
+def _rank_and_world_size() -> tuple[int, int]:
     import torch  # noqa: PLC0415 - only here: the rest of this module stays torch-free
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        device = torch.cuda.current_device() if torch.distributed.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([int(failed_anywhere)], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        failed_anywhere = bool(flag.item())
-    if failed_anywhere:
-        why = f"this rank's failed: {failure}" if failure is not None else "another rank's failed"
-        raise RuntimeError(
-            f"the streamed optimizer state of {directory} was not saved ({why}): the checkpoint is not marked "
-            "complete, and the previous one stays the latest"
-        ) from failure
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def load(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any) -> None:

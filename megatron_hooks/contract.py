@@ -33,6 +33,9 @@ class PendingSave(Protocol):
     def wait(self) -> None:
         """Return once the save is durable and in place; raise its error where it failed."""
 
+    def done(self) -> bool:
+        """Whether the save has ended (``wait()`` then returns or raises at once)."""
+
 
 @runtime_checkable
 class OptimizerStateStore(Protocol):

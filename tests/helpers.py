@@ -17,12 +17,14 @@ import os
 import re
 import subprocess
 import sys
+import types
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_hooks.contract import STORE_ATTR
 from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
 from miles_plugins.optimizers.checkpoint.manifest import CHECKSUM_KEY, checksum
 from miles_plugins.optimizers.errors import CheckpointMismatchError
@@ -332,3 +334,27 @@ class SimulatedDevice:
     def grow(self, nbytes: int) -> None:
         """The forward/backward peak grew (a larger batch), or shrank (negative)."""
         self.activity += nbytes
+
+
+# ---- the checkpoint hooks ------------------------------------------------------------
+
+
+class Chain:
+    """Stands in for Megatron's ChainedOptimizer: only ``chained_optimizers`` is read."""
+
+    def __init__(self, *members):
+        self.chained_optimizers = list(members)
+
+
+def streamed(tmp_path, name, seed):
+    """One bf16 param under a StreamedOptimizer that has taken a step, and a stand-in for
+    the Megatron optimizer the hooks find its store on: (param, front, holder)."""
+    torch.manual_seed(seed)
+    param = torch.randn(300, dtype=torch.bfloat16, requires_grad=True)
+    optimizer = torch.optim.AdamW([param], lr=1e-2)
+    front = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name))
+    holder = types.SimpleNamespace()
+    setattr(holder, STORE_ATTR, front.store)
+    param.grad = torch.randn_like(param)
+    front.step()
+    return param, front, holder

@@ -2,7 +2,6 @@
 iteration directory per checkpoint format, the save/load dispatch into real stores,
 and the refusal of a tree without the hooks."""
 
-import contextlib
 import re
 import sys
 import types
@@ -11,27 +10,8 @@ import pytest
 import torch
 
 from megatron_hooks import checkpoint as hooks
-from megatron_hooks.contract import STORE_ATTR, OptimizerStateStore
-from miles_plugins.optimizers import StreamConfig, StreamedOptimizer
-
-
-class Chain:
-    """Stands in for Megatron's ChainedOptimizer: only ``chained_optimizers`` is read."""
-
-    def __init__(self, *members):
-        self.chained_optimizers = list(members)
-
-
-def streamed(tmp_path, name, seed):
-    torch.manual_seed(seed)
-    param = torch.randn(300, dtype=torch.bfloat16, requires_grad=True)
-    optimizer = torch.optim.AdamW([param], lr=1e-2)
-    front = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name))
-    holder = types.SimpleNamespace()
-    setattr(holder, STORE_ATTR, front.store)
-    param.grad = torch.randn_like(param)
-    front.step()
-    return param, front, holder
+from megatron_hooks.contract import OptimizerStateStore
+from tests.helpers import Chain, streamed
 
 
 def test_iteration_dir_per_checkpoint_format():
@@ -243,53 +223,3 @@ def test_a_torch_dist_load_is_not_judged_by_the_tracker(tmp_path):
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("20")
     hooks.load(types.SimpleNamespace(ckpt_format="torch", use_distributed_optimizer=True), holder, name, "GLOBAL")
     front.close()
-
-
-def _async_checkpoint(tmp_path, chain, fault=None):
-    """What Megatron's save_checkpoint does with --async-save, in its order: its request
-    (megatron-core's own AsyncRequest), the hook, rank 0's tracker finalize added after;
-    then the finalize functions run in order, as its queue runs them once its own part is
-    written. Returns (what the finalize functions did, the error that stopped them)."""
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-    from tests.faults import FaultPlan
-
-    done, name = [], str(tmp_path / "ckpt" / "iter_0000002")
-    request = AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[lambda: done.append("megatron")])
-    plan = FaultPlan(tmp_path / "ckpt", "write", nth=1, fault=fault, times=None) if fault else None
-    with plan or contextlib.nullcontext():
-        hooks.save(types.SimpleNamespace(no_save_optim=False), chain, name, "GLOBAL", request)
-        request.add_finalize_fn(lambda: done.append("tracker"))
-        try:
-            for finalize in request.finalize_fns:
-                finalize()
-        except RuntimeError as exc:
-            return done, exc
-    return done, None
-
-
-def test_with_an_async_request_the_stores_save_in_the_background_before_the_tracker(tmp_path):
-    (_, s0, h0), (_, s1, h1) = streamed(tmp_path, "rank0.opt0", 0), streamed(tmp_path, "rank0.opt1", 1)
-    done, failure = _async_checkpoint(tmp_path, Chain(h0, h1))
-    assert failure is None and done == ["megatron", "tracker"]
-    saved = tmp_path / "ckpt" / "iter_0000002" / hooks.STATE_DIRNAME
-    assert sorted(p.name for p in saved.iterdir()) == ["rank0.opt0", "rank0.opt1"]
-    for front in (s0, s1):
-        front.close()
-
-
-def test_a_failed_background_save_keeps_the_tracker_from_marking_the_checkpoint(tmp_path):
-    """The finalize raises before the tracker's, on every rank: the ranks agree on it
-    through a collective (here a gloo group of one: the all-reduce runs for real)."""
-    (_, s0, h0), (_, s1, h1) = streamed(tmp_path, "rank0.opt0", 0), streamed(tmp_path, "rank0.opt1", 1)
-    init = f"file://{tmp_path / 'group'}"
-    torch.distributed.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    try:
-        done, failure = _async_checkpoint(tmp_path, Chain(h0, h1), fault="eio")
-    finally:
-        torch.distributed.destroy_process_group()
-    assert done == ["megatron"], "the tracker must not be written"
-    assert "was not saved (this rank's failed" in str(failure)
-    assert "the checkpoint is not marked complete" in str(failure)
-    for front in (s0, s1):
-        front.close()

@@ -146,7 +146,8 @@ class StreamingStore(AssembledStore):
     # ---- the contract --------------------------------------------------------
 
     def before_next_step(self, check: Callable[[], None]) -> None:
-        """Run ``check()`` before the next step; while it raises, no step runs."""
+        """Run ``check()`` before the next step; while it raises, no step runs (it may arm
+        itself again for the step after)."""
         self._step_checks.append(check)
 
     @torch.no_grad()
@@ -185,9 +186,14 @@ class StreamingStore(AssembledStore):
         # The previous step's deferred writes go out now if no progress() sent them; the walk
         # waits for each just before reading its bucket, so they run beside its reads.
         self._between_steps.advance_deferred_writes()
-        while self._step_checks:
-            self._step_checks[0]()  # raises to refuse the step; the check then stays armed
-            self._step_checks.pop(0)
+        # The checks armed before this step; one may arm another (itself) for the step after.
+        checks, self._step_checks = self._step_checks, []
+        for at, check in enumerate(checks):
+            try:
+                check()
+            except BaseException:
+                self._step_checks[:0] = checks[at:]  # the step is refused; it and those after stay armed
+                raise
 
     # ---- the gpu home (step/gpu_home.py) --------------------------------------
 
