@@ -15,12 +15,16 @@ first optimizer step once the saves are complete everywhere, at the next save, o
 at exit. A blocking finalize, or one called where the running list cannot be found
 (``AsyncRequest.execute_sync``, an unknown caller), waits instead.
 
-Ranks agree through marker files, not collectives (a finalize may run at different
-points on different ranks once deferred): each rank writes
-``<state dir>/.rank<r>.saved`` once its saves are complete, or ``.rank<r>.failed``;
-rank 0 lets the tracker be written only once every rank's ``.saved`` is there, and
-raises where one failed. The iteration directory must be one every rank sees, as
-Megatron's own checkpoints need.
+Every rank reaches these points together (Megatron finalizes a request on all ranks at
+once, and every rank steps and saves), so the ranks agree there with a collective:
+each gives its state (saving, saved, failed) and all see every rank's, so all defer,
+all finish, or all raise :class:`StreamedSaveError` at the same point. A blocking wait
+is a series of short collectives, one a second, so no rank sits in one for as long as
+a save takes. No collective runs at exit (a rank may be exiting on an error while the
+others still train): there each rank writes a marker file into the state directory
+once its saves end, ``.rank<r>.saved`` or ``.rank<r>.failed``, and rank 0 writes the
+tracker once every rank's ``.saved`` is there, waiting at most :data:`EXIT_WAIT_S`; a
+failure there ends the process with status 1.
 """
 
 from __future__ import annotations
@@ -37,10 +41,15 @@ from megatron_hooks.contract import OptimizerStateStore, PendingSave
 
 logger = logging.getLogger(__name__)
 
-# How often rank 0 looks for the other ranks' markers while it waits for them, and
-# how often it says whom it waits for.
-_POLL_S = 0.2
+# A rank's state of one checkpoint's streamed saves, as the ranks exchange it.
+SAVING, SAVED, FAILED = 0, 1, 2
+# How often the ranks (or rank 0, at exit) look again while they wait, and how often
+# rank 0 says whom it waits for.
+_POLL_S = 1.0
 _LOG_EVERY_S = 60.0
+# How long rank 0 waits at exit for the other ranks' markers once its own saves ended:
+# Megatron's default distributed timeout, as long as a collective would wait.
+EXIT_WAIT_S = 600.0
 
 
 class StreamedSaveError(RuntimeError):
@@ -48,12 +57,13 @@ class StreamedSaveError(RuntimeError):
 
 
 def clear_markers(directory: str, rank: int) -> None:
-    """Remove this rank's markers from an earlier save into ``directory`` (the same
-    iteration saved again). Called by the save hook on every rank before any rank's
-    finalize can run: Megatron finalizes only once every rank has scheduled."""
-    for marker in _markers(directory, rank):
+    """Remove this rank's exit markers of an earlier save into ``directory`` (the same
+    iteration saved again, by this run or one before it). Called by the save hook on
+    every rank before any rank's finalize can run: Megatron finalizes only once every
+    rank has scheduled."""
+    for what in ("saved", "failed"):
         try:
-            os.unlink(marker)
+            os.unlink(_marker(directory, rank, what))
         except FileNotFoundError:
             pass
 
@@ -74,7 +84,8 @@ class FinishStreamedSaves:
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
-        self._marked = False
+        self._state = SAVING
+        self._failure: BaseException | None = None
 
     def __call__(self) -> None:
         # Deferred work runs before a step: a store that cannot say when one comes waits here.
@@ -86,60 +97,87 @@ class FinishStreamedSaves:
         if self.complete(block=False):
             return
         at = next(i for i, fn in enumerate(running) if fn is self)
-        later = running[at + 1 :]
-        del running[at + 1 :]  # Megatron's loop ends after this one; they run once the saves are complete
-        _deferred.append((self, later))
+        # Kept before they leave Megatron's list: an interrupt in between never runs them early.
+        _deferred.append((self, running[at + 1 :]))
+        _arm(self.stores)
         logger.info(
             "the streamed optimizer state of %s is still being written: %d finalize function(s) of the "
             "checkpoint (rank 0's marks it complete) wait for it, training goes on",
             self.directory,
-            len(later),
+            len(running) - at - 1,
         )
-        _arm(self.stores)
+        del running[at + 1 :]  # Megatron's loop ends after this one
 
     def complete(self, block: bool) -> bool:
-        """Whether this checkpoint's streamed state is complete on every rank this rank
-        must know of (rank 0: all; others: their own); with ``block``, wait until it is.
-        Raises :class:`StreamedSaveError` where a save failed (rank 0: anywhere)."""
-        if not self._marked:
-            if not block and not all(save.done() for save in self.pending):
+        """Whether every rank's saves of this checkpoint are complete; with ``block``,
+        wait until they are. A collective: every rank calls it at the same point. Raises
+        :class:`StreamedSaveError` on every rank where any rank's save failed."""
+        logged = time.monotonic()
+        while True:
+            states = _exchange(self._own_state(), self.rank, self.world_size)
+            failed = [r for r, state in enumerate(states) if state == FAILED]
+            if failed:
+                raise self._error(failed)
+            saving = [r for r, state in enumerate(states) if state == SAVING]
+            if not saving:
+                return True
+            if not block:
                 return False
-            self._finish_own()
-        if self.rank != 0:
-            return True
-        return _all_saved(self.directory, self.world_size, block)
+            if self.rank == 0 and time.monotonic() - logged >= _LOG_EVERY_S:
+                logged = time.monotonic()
+                logger.info(
+                    "waiting for rank(s) %s to finish saving the streamed state of %s", _ranks(saving), self.directory
+                )
+            time.sleep(_POLL_S)
 
-    def _finish_own(self) -> None:
-        failure = None
-        for save in self.pending:
-            try:
-                save.wait()
-            except Exception as exc:  # noqa: BLE001 - marked for rank 0, raised here
-                failure = failure or exc
-        _write_marker(self.directory, self.rank, "failed" if failure else "saved")
-        self._marked = True
-        if failure is not None:
-            raise StreamedSaveError(
-                f"the streamed optimizer state of {self.directory} was not saved (rank {self.rank}: {failure}): "
-                "the checkpoint is not marked complete, and the previous one stays the latest"
-            ) from failure
+    def complete_at_exit(self) -> None:
+        """At exit, without collectives: wait for this rank's saves and leave its marker;
+        rank 0 then waits for every rank's. Raises :class:`StreamedSaveError` where this
+        rank cannot tell that every rank's save is complete."""
+        state = self._own_state(block=True)
+        _write_marker(self.directory, self.rank, "saved" if state == SAVED else "failed")
+        if state == FAILED:
+            raise self._error([self.rank])
+        if self.rank == 0:
+            _await_markers(self.directory, self.world_size, EXIT_WAIT_S)
+
+    def _own_state(self, block: bool = False) -> int:
+        """This rank's state; once its saves ended (or, with ``block``, after waiting), final."""
+        if self._state == SAVING and (block or all(save.done() for save in self.pending)):
+            for save in self.pending:
+                try:
+                    save.wait()
+                except Exception as exc:  # noqa: BLE001 - exchanged with the ranks, raised on all
+                    self._failure = self._failure or exc
+            self._state = FAILED if self._failure is not None else SAVED
+        return self._state
+
+    def _error(self, failed: list[int]) -> StreamedSaveError:
+        own = f"rank {self.rank}: {self._failure}" if self._failure is not None else f"rank(s) {_ranks(failed)}"
+        error = StreamedSaveError(
+            f"the streamed optimizer state of {self.directory} was not saved ({own}): the checkpoint is not "
+            "marked complete, and the previous one stays the latest"
+        )
+        error.__cause__ = self._failure
+        return error
 
 
-# Finalize functions waiting for their checkpoint's streamed state, oldest first.
+# Finalize functions waiting for their checkpoint's streamed state. The save hook finishes
+# those of the previous checkpoint before it saves, so at most one checkpoint's wait.
 _deferred: list[tuple[FinishStreamedSaves, list[Callable[[], Any]]]] = []
 
 
 def finish_deferred(block: bool) -> None:
     """Run the deferred finalize functions of every checkpoint whose streamed state is
-    complete, oldest first (a later checkpoint's never before an earlier one's); with
-    ``block``, wait for all. A failed checkpoint's are dropped (its tracker is not
-    written) and its error raised."""
+    complete on every rank, oldest first; with ``block``, wait for all. A collective, as
+    :meth:`FinishStreamedSaves.complete`. A failed checkpoint's are dropped (its tracker
+    is not written) and its error raised; on any other error they stay deferred."""
     while _deferred:
         finish, later = _deferred[0]
         try:
             if not finish.complete(block):
                 return
-        except BaseException:
+        except StreamedSaveError:
             _deferred.pop(0)
             raise
         _deferred.pop(0)
@@ -160,14 +198,37 @@ def _arm(stores: Sequence[OptimizerStateStore]) -> None:
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """A run that ends with saves deferred (Megatron's last blocking finalize finds no
-    request left) completes them here: the background threads were joined already."""
+    """A run that ends with a checkpoint deferred (Megatron's last blocking finalize finds
+    no request left) completes it here, through marker files: the background save
+    threads were joined already. A failure ends the process with status 1 (an exit
+    handler cannot raise one)."""
     if not _deferred:
         return
+    finish, later = _deferred.pop(0)
     try:
-        finish_deferred(block=True)
-    except Exception as exc:  # noqa: BLE001 - at exit: said, not raised
+        finish.complete_at_exit()
+    except StreamedSaveError as exc:
         logger.error("at exit: %s", exc)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+        return
+    for fn in later:
+        fn()
+
+
+def _exchange(state: int, rank: int, world_size: int) -> list[int]:
+    """Every rank's state, each rank giving its own: one all-reduce over the default group."""
+    import torch  # noqa: PLC0415 - only here: the rest of this package stays torch-free
+
+    if world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [state]
+    device = torch.cuda.current_device() if torch.distributed.get_backend() == "nccl" else "cpu"
+    states = torch.zeros(world_size, dtype=torch.int32, device=device)
+    states[rank] = state
+    torch.distributed.all_reduce(states)
+    return states.tolist()
 
 
 def _running_finalize_fns(fn: FinishStreamedSaves) -> list | None:
@@ -190,12 +251,12 @@ def _running_finalize_fns(fn: FinishStreamedSaves) -> list | None:
     return None
 
 
-def _markers(directory: str, rank: int) -> list[str]:
-    return [os.path.join(directory, f".rank{rank:05d}.{what}") for what in ("saved", "failed")]
+def _marker(directory: str, rank: int, what: str) -> str:
+    return os.path.join(directory, f".rank{rank:05d}.{what}")
 
 
 def _write_marker(directory: str, rank: int, what: str) -> None:
-    path = os.path.join(directory, f".rank{rank:05d}.{what}")
+    path = _marker(directory, rank, what)
     try:
         with open(path, "w") as f:
             f.write(f"pid {os.getpid()}\n")
@@ -206,26 +267,37 @@ def _write_marker(directory: str, rank: int, what: str) -> None:
         ) from exc
 
 
-def _all_saved(directory: str, world_size: int, block: bool) -> bool:
-    """Whether every rank's ``.saved`` marker is in ``directory`` (one listing per look);
-    raises where a rank's ``.failed`` is."""
-    logged = time.monotonic()
+def _await_markers(directory: str, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank's ``.saved`` marker is in ``directory`` (one listing per
+    look), at most ``timeout_s``; raise where one rank's ``.failed`` is, or on timeout."""
+    start = logged = time.monotonic()
     while True:
-        names = set(os.listdir(directory))
-        failed = [r for r in range(world_size) if f".rank{r:05d}.failed" in names]
+        try:
+            names = set(os.listdir(directory))
+        except OSError as exc:
+            raise StreamedSaveError(
+                f"cannot list {directory} ({exc.strerror}): the checkpoint is not marked complete"
+            ) from exc
+        failed = [r for r in range(world_size) if os.path.basename(_marker(directory, r, "failed")) in names]
         if failed:
             raise StreamedSaveError(
                 f"the streamed optimizer state of {directory} was not saved on rank(s) {_ranks(failed)}: the "
                 "checkpoint is not marked complete, and the previous one stays the latest"
             )
-        missing = [r for r in range(world_size) if f".rank{r:05d}.saved" not in names]
+        missing = [r for r in range(world_size) if os.path.basename(_marker(directory, r, "saved")) not in names]
         if not missing:
-            return True
-        if not block:
-            return False
+            return
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise StreamedSaveError(
+                f"rank(s) {_ranks(missing)} did not say within {timeout_s:.0f} s that the streamed optimizer state "
+                f"of {directory} is saved: the checkpoint is not marked complete, and the previous one stays the latest"
+            )
         if time.monotonic() - logged >= _LOG_EVERY_S:
             logged = time.monotonic()
-            logger.info("waiting for rank(s) %s to finish saving the streamed state of %s", _ranks(missing), directory)
+            logger.info(
+                "at exit: waiting for rank(s) %s to finish saving the streamed state of %s", _ranks(missing), directory
+            )
         time.sleep(_POLL_S)
 
 

@@ -5,13 +5,18 @@ non-blocking finalize defers the tracker to a later step), a blocking one waits,
 a failed save never lets the tracker mark the checkpoint, and rank 0 marks it only
 once every rank's streamed state is saved.
 
-Fakes, where the real thing cannot run here: a gloo group of one stands for the
-job (megatron-core's queue all-reduces on ``torch.cuda.current_device()``, made the
-CPU here), and a second rank is simulated by the marker file it would write.
+The job is a gloo group of one, or of two spawned ranks where ranks must agree
+(megatron-core's queue all-reduces on ``torch.cuda.current_device()``, made the CPU
+here). Fakes, where the real thing cannot run here: a collective that fails, and a
+second rank at exit, simulated by the marker file it would write.
 """
 
+import json
+import os
+import tempfile
 import threading
 import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -99,7 +104,7 @@ def test_a_non_blocking_finalize_lets_training_go_on_and_the_tracker_waits_for_t
     ckpt.wait_saved()
     step(param, front)  # the first step after the save finds it complete
     assert done == ["megatron", ("tracker 1", True)]
-    assert (ckpt.state_dir / ".rank00000.saved").exists()
+    assert not list(ckpt.state_dir.glob(".rank*")), "markers are for the exit alone"
     front.close()
     # The checkpoint holds the state of the step it was taken at, not of the steps after.
     param2, again, holder2 = streamed(tmp_path / "again", "rank0", 0)
@@ -144,30 +149,6 @@ def test_a_failed_background_save_never_lets_the_tracker_mark_the_checkpoint(tmp
     assert "was not saved (rank 0: cannot rename" in str(failed.value)
     assert "the checkpoint is not marked complete" in str(failed.value) and "\n" not in str(failed.value)
     assert done == ["megatron"], "the tracker must not be written"
-    assert (ckpt.state_dir / ".rank00000.failed").exists()
-    front.close()
-
-
-@pytest.mark.parametrize("other_rank", ["saved", "failed"])
-def test_rank_0_marks_the_checkpoint_only_once_every_rank_has_saved(tmp_path, monkeypatch, other_rank):
-    """A job of two ranks, rank 1 simulated by the marker its finalize writes."""
-    monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (0, 2))
-    param, front, holder = streamed(tmp_path, "rank0", 0)
-    queue, done = AsyncCallsQueue(), []
-    ckpt = Checkpoint(queue, holder, tmp_path, 1, done)
-    queue.maybe_finalize_async_calls(blocking=False)
-    ckpt.wait_saved()
-    step(param, front)
-    assert done == ["megatron"], "rank 1's streamed state is not saved yet"
-    assert (ckpt.state_dir / ".rank00000.saved").exists()
-    (ckpt.state_dir / f".rank00001.{other_rank}").write_text("pid 1\n")
-    if other_rank == "saved":
-        step(param, front)
-        assert done == ["megatron", ("tracker 1", True)]
-    else:
-        with pytest.raises(StreamedSaveError, match=r"was not saved on rank\(s\) 1: the checkpoint is not marked"):
-            step(param, front)
-        assert done == ["megatron"]
     front.close()
 
 
@@ -192,22 +173,166 @@ def test_a_deferred_tracker_is_written_at_the_next_save_before_its_own_or_at_exi
     front.close()
 
 
-def test_saving_an_iteration_again_does_not_take_an_earlier_saves_markers(tmp_path, monkeypatch):
-    """A restart from an earlier checkpoint saves the same iteration again: the markers
-    of the first save must not tell rank 0 this one is complete."""
-    monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (0, 2))
+def test_a_deferred_tracker_stays_deferred_when_the_ranks_cannot_agree_for_a_while(tmp_path, monkeypatch):
+    """A collective that fails (a peer's connection lost for a moment) raises from the
+    step, and the checkpoint's tracker stays deferred for the next step: it is never
+    dropped for anything but a failed save."""
     param, front, holder = streamed(tmp_path, "rank0", 0)
     queue, done = AsyncCallsQueue(), []
-    first = Checkpoint(queue, holder, tmp_path, 1, done)
-    (first.state_dir / ".rank00001.saved").write_text("pid 1\n")
-    queue.maybe_finalize_async_calls(blocking=True)
-    assert done == ["megatron", ("tracker 1", True)]
     release = hold_publish(monkeypatch)
-    done.clear()
-    monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (1, 2))  # now as rank 1 would
-    again = Checkpoint(queue, holder, tmp_path, 1, done)
-    assert not (again.state_dir / ".rank00001.saved").exists(), "rank 1 cleared its marker of the first save"
+    ckpt = Checkpoint(queue, holder, tmp_path, 1, done)
+    queue.maybe_finalize_async_calls(blocking=False)
     release.set()
-    queue.maybe_finalize_async_calls(blocking=True)
-    assert (again.state_dir / ".rank00001.saved").exists()
+    ckpt.wait_saved()
+    real, calls = async_finalize._exchange, []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("Connection closed by peer")
+        return real(*args)
+
+    monkeypatch.setattr(async_finalize, "_exchange", flaky)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        step(param, front)
+    assert done == ["megatron"] and len(async_finalize._deferred) == 1
+    step(param, front)
+    assert done == ["megatron", ("tracker 1", True)]
     front.close()
+
+
+def test_exit_markers_of_an_earlier_save_of_the_iteration_are_cleared_by_the_next(tmp_path, monkeypatch):
+    """A restart from an earlier checkpoint saves the same iteration again: a marker the
+    first run left at its exit must not tell rank 0 at this run's exit that it is complete."""
+    monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (1, 2))  # as rank 1's hook
+    param, front, holder = streamed(tmp_path, "rank1", 0)
+    stale = tmp_path / "ckpt" / "iter_0000001" / hooks.STATE_DIRNAME / ".rank00001.saved"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("pid 1\n")
+    ckpt = Checkpoint(None, holder, tmp_path, 1, [])
+    assert not stale.exists(), "rank 1 cleared its marker of the first save"
+    ckpt.wait_saved()
+    monkeypatch.setattr(async_finalize, "EXIT_WAIT_S", 0.5)
+    as_rank0 = FinishStreamedSaves(ckpt.finish.pending, ckpt.finish.stores, ckpt.finish.directory, 0, 2)
+    with pytest.raises(StreamedSaveError, match=r"rank\(s\) 1 did not say within 0 s .* not marked complete"):
+        as_rank0.complete_at_exit()
+    front.close()
+
+
+def test_a_run_that_exits_with_a_failed_deferred_save_exits_with_status_1(tmp_path, monkeypatch, caplog):
+    """An exit handler cannot raise a status: the failure is logged and the process ends with 1."""
+    param, front, holder = streamed(tmp_path, "rank0", 0)
+    release = hold_publish(monkeypatch, fail=True)
+    queue, done = AsyncCallsQueue(), []
+    Checkpoint(queue, holder, tmp_path, 1, done)
+    queue.maybe_finalize_async_calls(blocking=False)
+    release.set()
+    statuses = []
+    monkeypatch.setattr(async_finalize.logging, "shutdown", lambda: None)  # pytest's handlers stay open
+    monkeypatch.setattr(async_finalize.os, "_exit", statuses.append)
+    async_finalize._finish_at_exit()
+    assert statuses == [1] and done == ["megatron"]
+    assert (
+        "at exit: the streamed optimizer state" in caplog.text and "was not saved (rank 0: cannot rename" in caplog.text
+    )
+    front.close()
+
+
+# -- two ranks ------------------------------------------------------------------------
+
+
+def _agreement_rank(rank: int, world_size: int, tmp: str) -> None:
+    """One spawned rank of a two-rank job running every scenario of :func:`two_ranks`;
+    writes what it saw to ``<tmp>/rank<r>.json``."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp}/group", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    seen = {}
+    for scenario in ("deferred", "deferred, rank 1 fails", "blocking, rank 1 fails", "the iteration saved twice"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            seen[scenario] = _scenario(scenario, rank, os.path.join(tmp, scenario.replace(" ", "_")), monkeypatch)
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
+    """Rank 1's publish is held (and fails where the scenario says) until rank 0's save
+    is done and two steps ran; what ``done`` held after each step, or the error raised."""
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    param, front, holder = streamed(tmp / f"rank{rank}", f"rank{rank}", rank)
+    release = hold_publish(monkeypatch, fail=rank == 1 and "fails" in scenario)
+    if rank == 0:
+        release.set()
+    queue, done, seen = AsyncCallsQueue(), [], []
+    ckpt = Checkpoint(queue, holder, tmp, 1, done)
+
+    def held_then_released() -> None:
+        if rank == 1:
+            release.set()
+            try:
+                ckpt.wait_saved()
+            except StreamIOError:
+                pass
+        torch.distributed.barrier()
+
+    try:
+        if scenario.startswith("blocking"):
+            held_then_released()
+            queue.maybe_finalize_async_calls(blocking=True)
+        else:
+            queue.maybe_finalize_async_calls(blocking=False)
+            for _ in range(2):
+                step(param, front)
+                seen.append(list(done))
+            if scenario == "the iteration saved twice":
+                threading.Timer(0.5, release.set).start()
+                Checkpoint(queue, holder, tmp, 1, done)  # waits for the first, agreeing on it
+                seen.append(list(done))
+                queue.maybe_finalize_async_calls(blocking=True)
+            else:
+                held_then_released()
+                step(param, front)
+        seen.append(list(done))
+    except StreamedSaveError as exc:
+        seen.append(str(exc))
+    front.close()
+    return [[list(x) if isinstance(x, tuple) else x for x in s] if isinstance(s, list) else s for s in seen]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """What each of two spawned ranks saw in each scenario."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_agreement_rank, args=(2, tmp), nprocs=2)
+        return [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(2)]
+
+
+def test_two_ranks_write_the_tracker_at_the_same_step_once_both_saves_are_complete(two_ranks):
+    waiting, complete = ["megatron"], ["megatron", ["tracker 1", True]]
+    for seen in two_ranks:
+        assert seen["deferred"] == [waiting, waiting, complete], "rank 0's save ended first: both wait for rank 1's"
+
+
+@pytest.mark.parametrize("finalize", ["deferred", "blocking"])
+def test_a_save_failed_on_one_rank_raises_on_every_rank_at_the_same_point(two_ranks, finalize):
+    """Each rank raises (none is left waiting in a collective for the others), and no
+    rank's tracker is written."""
+    rank0, rank1 = (seen[f"{finalize}, rank 1 fails"] for seen in two_ranks)
+    assert rank0[:-1] == rank1[:-1] == ([["megatron"]] * 2 if finalize == "deferred" else [])
+    assert "was not saved (rank(s) 1): the checkpoint is not marked complete" in rank0[-1]
+    assert "was not saved (rank 1: cannot rename" in rank1[-1]
+
+
+def test_the_iteration_saved_again_while_its_tracker_waits_completes_both(two_ranks):
+    """Megatron saves an iteration twice when a batch-size ramp step falls on a save
+    interval: the second save's hook waits for the first on every rank, with no hang."""
+    waiting, first = ["megatron"], ["megatron", ["tracker 1", True]]
+    for seen in two_ranks:
+        assert seen["the iteration saved twice"] == [waiting, waiting, first, first + first]
