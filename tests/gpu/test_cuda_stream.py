@@ -79,10 +79,10 @@ def test_pinned_host_copies_are_queued_on_copy_streams_and_keep_their_timeout(tm
     for window in (0, 40_000):  # none, and about two buckets: their writes land after the step
         submitted = []
 
-        def counting_submit(self, pool, op, handle, *args, submitted=submitted):
+        def counting_submit(self, pool, handle, *args, submitted=submitted):
             assert pool in self._window_threads and args[-1] == WINDOW_REQUEST_BYTES, handle.read_path
             submitted.append(handle.read_path)
-            return submit(self, pool, op, handle, *args)
+            return submit(self, pool, handle, *args)
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(PipelinedEngine, "_submit", counting_submit)
