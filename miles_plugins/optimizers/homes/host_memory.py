@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import weakref
 
 import torch
 
@@ -57,6 +58,11 @@ class HostMemory:
                     errno.ENOMEM,
                 )
             self._pinned = True
+            # Unpinned when dropped unreleased too (a store never closed), before its mapping
+            # can go: an address range unmapped while registered fails the next registration
+            # that lands on it. Not at interpreter exit, which frees both.
+            self._unpin = weakref.finalize(self, _unregister, self.tensor.data_ptr())
+            self._unpin.atexit = False
 
     @property
     def pinned(self) -> bool:
@@ -66,5 +72,9 @@ class HostMemory:
     def release(self) -> None:
         """Unpin the memory (the mapping itself goes with the last reference to it)."""
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._unpin()
             self._pinned = False
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
