@@ -7,6 +7,7 @@ compares the bytes (``tests/gpu/test_fused_codec.py``)."""
 import contextlib
 
 import pytest
+import torch
 
 from miles_plugins.optimizers.step import graphs
 
@@ -171,3 +172,26 @@ def test_release_drops_the_graphs(bucket_graphs):
     bucket_graphs.release()
     bucket_graphs.run(("decode", 0), "a", "cuda", lambda: None)  # eager: seen anew
     assert bucket_graphs.captures == 1 and bucket_graphs.replays == 2
+
+
+@pytest.mark.parametrize(
+    "moment_dtype, main_dtype, self_tested",
+    [(torch.float32, torch.float32, False), (torch.bfloat16, torch.float32, True), (torch.float32, torch.int16, True)],
+    ids=["fp32", "bf16 moments", "remainder mains"],
+)
+def test_the_kernels_are_self_tested_at_setup_not_in_the_first_step(monkeypatch, moment_dtype, main_dtype, self_tested):
+    """A codec whose buckets convert builds and self-tests the fused kernels on its CUDA
+    device when it is made: inside the first step the self-test's inputs would add to
+    that step's device memory, past its stated bound. Fake: the CUDA device (a
+    ``torch.device`` only; the registry is replaced)."""
+    from miles_plugins.optimizers.formats import kernels
+    from miles_plugins.optimizers.formats.layout import layout_bucket
+    from miles_plugins.optimizers.step.codec import Codec
+
+    asked = []
+    monkeypatch.setattr(kernels, "for_device", asked.append)
+    buckets = [layout_bucket(0, [0], [1000], moment_dtype, main_dtype, False, True)]
+    Codec(buckets, torch.device("cpu"))
+    assert asked == []
+    Codec(buckets, torch.device("cuda", 0))
+    assert asked == ([torch.device("cuda", 0)] if self_tested else [])

@@ -42,7 +42,11 @@ def stored_bytes(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
 class Codec:
     """The per-segment encode/decode of one store's buckets."""
 
-    def __init__(self, buckets: Sequence[BucketLayout]) -> None:
+    def __init__(self, buckets: Sequence[BucketLayout], device: torch.device | None = None) -> None:
+        # The fused kernels are built and self-tested here, at setup, where they will serve:
+        # inside the first step their test inputs would add to the step's device memory.
+        if device is not None and device.type == "cuda" and any(b.converted_bytes for b in buckets):
+            kernels.for_device(device)
         # Remainder mains: per bucket, per entry, the elements the rounding rule misses.
         self.exceptions = [[remainder.Exceptions.none() for _ in b.numels] for b in buckets]
         self.graphs = BucketGraphs()  # on CUDA with the fused kernels: see graphs.py

@@ -93,7 +93,7 @@ def assemble(
     backing = engine = pipeline = None
     try:
         backing, engine = _open_backing_and_engine(config, buckets, placed, device)
-        codec = Codec(buckets)
+        codec = Codec(buckets, device)
         pipeline = _pipeline(entries, plan, placed, backing, engine, codec, config)
         description = describe_store(
             config, entries, buckets, plan.resident_entries, backend.master, topology, param_layout, param_facts

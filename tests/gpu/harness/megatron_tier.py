@@ -388,6 +388,7 @@ def run(steps: int, moe: bool, expert_parallel: int, directory: str) -> dict:
             "mains_differ": not all_same([s[0] for s in streamed_state(bindings)], [s[0] for s in resident_opt]),
             "file_bytes_total": sum(b.store.file_bytes_total for b in bindings),
             "step_added_bytes": max(compact["added"]),
+            "step_added_bytes_per_step": compact["added"],
             "step_device_bytes_bound": step_bound(bindings),
         }
         for b in bindings:
