@@ -8,28 +8,32 @@ from the training loop's ``maybe_finalize_async_save(blocking=False)`` each
 iteration, or blocking (before the next save, at the end, miles' ``save_model``).
 
 The streamed state (the large part) may still be writing then. Blocking there would
-stop training until it is written, so a non-blocking finalize *defers* instead: it
-takes the finalize functions after it out of the list Megatron is running and keeps
-them, and they run (on the training thread, as Megatron would run them) before the
-first optimizer step once the saves are complete everywhere, at the next save, or
-at exit. A blocking finalize, or one called where the running list cannot be found
-(``AsyncRequest.execute_sync``, an unknown caller), waits instead.
+stop training until it is written, so the finalize takes the functions after it out
+of the list Megatron is running and keeps them (*deferred*); they run, on the
+training thread as Megatron would run them, at once where the saves are complete
+everywhere, else before the first optimizer step once they are, at the next save,
+or at exit. A blocking caller waits for them; one whose running list cannot be found
+(``AsyncRequest.execute_sync``, an unknown caller) waits before Megatron runs them.
 
-Every rank reaches these points together (Megatron finalizes a request on all ranks at
-once, and every rank steps and saves), so the ranks agree there with a collective:
-each gives its state (saving, saved, failed) and all see every rank's, so all defer,
-all finish, or all raise :class:`StreamedSaveError` at the same point. A blocking wait
-is a series of short collectives, one a second, so no rank sits in one for as long as
-a save takes. No collective runs at exit (a rank may be exiting on an error while the
-others still train): there each rank writes a marker file into the state directory
-once its saves end, ``.rank<r>.saved`` or ``.rank<r>.failed``, and rank 0 writes the
-tracker once every rank's ``.saved`` is there, waiting at most :data:`EXIT_WAIT_S`; a
-failure there ends the process with status 1.
+Every rank reaches these points together (Megatron finalizes a request on all ranks
+at once, and every rank of a job that streams steps and saves, also one whose chain
+holds no params), so the ranks agree there with a collective: each gives its state
+(saving, saved, failed) and all see every rank's, so all defer, all finish, or all
+raise :class:`StreamedSaveError` at the same point. A blocking wait is a series of
+short collectives, one a second, so no rank sits in one for as long as a save takes;
+once some rank's saves ended, the others get :data:`STRAGGLER_WAIT_S`, counted in
+those collectives so that every rank gives up at the same one. No collective runs at
+exit (a rank may be exiting on an error while the others still train): each rank
+writes a marker into the state directory once its saves end, ``.rank<r>.saved`` or
+``.rank<r>.failed``, and at exit every rank waits, at most :data:`STRAGGLER_WAIT_S`,
+for every rank's ``.saved`` before it runs its deferred functions; otherwise it logs
+why the checkpoint stays unmarked.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -37,19 +41,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_hooks.contract import OptimizerStateStore, PendingSave
+from megatron_hooks.contract import PendingSave
 
 logger = logging.getLogger(__name__)
 
 # A rank's state of one checkpoint's streamed saves, as the ranks exchange it.
 SAVING, SAVED, FAILED = 0, 1, 2
-# How often the ranks (or rank 0, at exit) look again while they wait, and how often
+# How often the ranks (or each rank, at exit) look again while they wait, and how often
 # rank 0 says whom it waits for.
 _POLL_S = 1.0
 _LOG_EVERY_S = 60.0
-# How long rank 0 waits at exit for the other ranks' markers once its own saves ended:
-# Megatron's default distributed timeout, as long as a collective would wait.
-EXIT_WAIT_S = 600.0
+# How long the ranks whose saves ended wait for the others' (Megatron's default
+# distributed timeout: as long as its own wait for its ranks' async part would).
+STRAGGLER_WAIT_S = 600.0
+# Set on an optimizer whose ``step`` finishes deferred checkpoints first.
+_CHECKED_ATTR = "_miles_finishes_deferred_saves"
 
 
 class StreamedSaveError(RuntimeError):
@@ -71,48 +77,40 @@ def clear_markers(directory: str, rank: int) -> None:
 class FinishStreamedSaves:
     """The finalize function of one asynchronous checkpoint's streamed state (see the module docstring)."""
 
-    def __init__(
-        self,
-        pending: Sequence[PendingSave],
-        stores: Sequence[OptimizerStateStore],
-        directory: str,
-        rank: int,
-        world_size: int,
-    ) -> None:
+    def __init__(self, pending: Sequence[PendingSave], directory: str, rank: int, world_size: int) -> None:
         self.pending = list(pending)
-        self.stores = list(stores)
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
         self._state = SAVING
         self._failure: BaseException | None = None
+        self._marked = False
 
     def __call__(self) -> None:
-        # Deferred work runs before a step: a store that cannot say when one comes waits here.
-        steps_tell = hasattr(self.stores[0], "before_next_step")
-        running = _running_finalize_fns(self) if steps_tell else None
-        if running is None:
+        found = _running_finalize_fns(self)
+        if found is None:
             self.complete(block=True)
             return
-        if self.complete(block=False):
-            return
+        running, blocking = found
         at = next(i for i, fn in enumerate(running) if fn is self)
-        # Kept before they leave Megatron's list: an interrupt in between never runs them early.
+        # Kept before they leave Megatron's list (which it popped already): an interrupt
+        # from here on leaves them deferred, never run early, never lost.
         _deferred.append((self, running[at + 1 :]))
-        _arm(self.stores)
-        logger.info(
-            "the streamed optimizer state of %s is still being written: %d finalize function(s) of the "
-            "checkpoint (rank 0's marks it complete) wait for it, training goes on",
-            self.directory,
-            len(running) - at - 1,
-        )
-        del running[at + 1 :]  # Megatron's loop ends after this one
+        del running[at + 1 :]
+        finish_deferred(block=blocking)
+        if _deferred:
+            logger.info(
+                "the streamed optimizer state of %s is still being written: the checkpoint's remaining finalize "
+                "functions (rank 0's marks it complete) wait for it, training goes on",
+                self.directory,
+            )
 
     def complete(self, block: bool) -> bool:
         """Whether every rank's saves of this checkpoint are complete; with ``block``,
         wait until they are. A collective: every rank calls it at the same point. Raises
-        :class:`StreamedSaveError` on every rank where any rank's save failed."""
-        logged = time.monotonic()
+        :class:`StreamedSaveError` on every rank where any rank's save failed, or, with
+        ``block``, where a rank is still saving ``STRAGGLER_WAIT_S`` after another ended."""
+        logged, straggling = time.monotonic(), 0
         while True:
             states = _exchange(self._own_state(), self.rank, self.world_size)
             failed = [r for r, state in enumerate(states) if state == FAILED]
@@ -123,6 +121,14 @@ class FinishStreamedSaves:
                 return True
             if not block:
                 return False
+            # Counted in polls, which every rank makes alike, so that all give up at the same one.
+            straggling += len(saving) < self.world_size
+            if straggling * _POLL_S > STRAGGLER_WAIT_S:
+                raise StreamedSaveError(
+                    f"rank(s) {_ranks(saving)} still saving the streamed optimizer state of {self.directory} "
+                    f"{STRAGGLER_WAIT_S:.0f} s after another rank's save ended: the checkpoint is not marked "
+                    "complete, and the previous one stays the latest"
+                )
             if self.rank == 0 and time.monotonic() - logged >= _LOG_EVERY_S:
                 logged = time.monotonic()
                 logger.info(
@@ -131,18 +137,19 @@ class FinishStreamedSaves:
             time.sleep(_POLL_S)
 
     def complete_at_exit(self) -> None:
-        """At exit, without collectives: wait for this rank's saves and leave its marker;
-        rank 0 then waits for every rank's. Raises :class:`StreamedSaveError` where this
-        rank cannot tell that every rank's save is complete."""
+        """At exit, without collectives: wait for this rank's saves and leave its marker,
+        then for every rank's. Raises :class:`StreamedSaveError` where this rank cannot
+        tell that every rank's save is complete."""
         state = self._own_state(block=True)
-        _write_marker(self.directory, self.rank, "saved" if state == SAVED else "failed")
+        if not self._marked:
+            _write_marker(self.directory, self.rank, "saved" if state == SAVED else "failed")
         if state == FAILED:
             raise self._error([self.rank])
-        if self.rank == 0:
-            _await_markers(self.directory, self.world_size, EXIT_WAIT_S)
+        _await_markers(self.directory, self.world_size, STRAGGLER_WAIT_S)
 
     def _own_state(self, block: bool = False) -> int:
-        """This rank's state; once its saves ended (or, with ``block``, after waiting), final."""
+        """This rank's state; once its saves ended (or, with ``block``, after waiting),
+        final, and its marker written for the exit's agreement."""
         if self._state == SAVING and (block or all(save.done() for save in self.pending)):
             for save in self.pending:
                 try:
@@ -150,6 +157,11 @@ class FinishStreamedSaves:
                 except Exception as exc:  # noqa: BLE001 - exchanged with the ranks, raised on all
                     self._failure = self._failure or exc
             self._state = FAILED if self._failure is not None else SAVED
+            try:
+                _write_marker(self.directory, self.rank, "saved" if self._state == SAVED else "failed")
+                self._marked = True
+            except StreamedSaveError as exc:  # needed only at exit, which tries again
+                logger.warning("%s", exc)
         return self._state
 
     def _error(self, failed: list[int]) -> StreamedSaveError:
@@ -185,23 +197,30 @@ def finish_deferred(block: bool) -> None:
             fn()
 
 
-def _arm(stores: Sequence[OptimizerStateStore]) -> None:
-    """Check for complete saves before each optimizer step while any are deferred."""
+def finish_before_steps(optimizer: Any) -> None:
+    """Make ``optimizer.step`` (once per optimizer) first finish the deferred checkpoints
+    whose streamed state is complete on every rank (a collective while any are deferred:
+    every rank steps)."""
+    if getattr(optimizer, _CHECKED_ATTR, False):
+        return
+    step = optimizer.step
 
-    def check() -> None:
-        finish_deferred(block=False)
+    @functools.wraps(step)
+    def step_after_deferred_saves(*args: Any, **kwargs: Any) -> Any:
         if _deferred:
-            stores[0].before_next_step(check)
+            finish_deferred(block=False)
+        return step(*args, **kwargs)
 
-    stores[0].before_next_step(check)
+    optimizer.step = step_after_deferred_saves
+    setattr(optimizer, _CHECKED_ATTR, True)
 
 
 @atexit.register
 def _finish_at_exit() -> None:
     """A run that ends with a checkpoint deferred (Megatron's last blocking finalize finds
     no request left) completes it here, through marker files: the background save
-    threads were joined already. A failure ends the process with status 1 (an exit
-    handler cannot raise one)."""
+    threads were joined already. A failure is logged; the process's exit status stays
+    its own (an exit handler cannot set one without cutting the other handlers short)."""
     if not _deferred:
         return
     finish, later = _deferred.pop(0)
@@ -209,10 +228,6 @@ def _finish_at_exit() -> None:
         finish.complete_at_exit()
     except StreamedSaveError as exc:
         logger.error("at exit: %s", exc)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
         return
     for fn in later:
         fn()
@@ -224,28 +239,27 @@ def _exchange(state: int, rank: int, world_size: int) -> list[int]:
 
     if world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [state]
-    device = torch.cuda.current_device() if torch.distributed.get_backend() == "nccl" else "cpu"
+    # NCCL's where the group has it ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"), else the CPU's.
+    device = torch.cuda.current_device() if "nccl" in torch.distributed.get_backend() else "cpu"
     states = torch.zeros(world_size, dtype=torch.int32, device=device)
     states[rank] = state
     torch.distributed.all_reduce(states)
     return states.tolist()
 
 
-def _running_finalize_fns(fn: FinishStreamedSaves) -> list | None:
-    """The finalize-function list a non-blocking caller is running ``fn`` from, found in
-    the frame iterating it (megatron-core's ``AsyncCallsQueue.maybe_finalize_async_calls``
-    and NVRx's: ``for finalize_fn in async_request.finalize_fns``); None for any other
-    caller, or one that blocks."""
+def _running_finalize_fns(fn: FinishStreamedSaves) -> tuple[list, bool] | None:
+    """The finalize-function list a caller is running ``fn`` from, found in the frame
+    iterating it (megatron-core's ``AsyncCallsQueue.maybe_finalize_async_calls`` and
+    NVRx's: ``for finalize_fn in async_request.finalize_fns``), and whether that caller
+    blocks; None for any other caller."""
     frame = sys._getframe(2)
     while frame is not None:
         names = frame.f_locals
         if names.get("finalize_fn") is fn:
-            if names.get("blocking") is not False:
-                return None
             for value in names.values():
                 fns = getattr(value, "finalize_fns", None)
                 if isinstance(fns, list) and any(f is fn for f in fns):
-                    return fns
+                    return fns, names.get("blocking") is not False
             return None
         frame = frame.f_back
     return None
@@ -258,6 +272,7 @@ def _marker(directory: str, rank: int, what: str) -> str:
 def _write_marker(directory: str, rank: int, what: str) -> None:
     path = _marker(directory, rank, what)
     try:
+        os.makedirs(directory, exist_ok=True)  # a rank whose chain holds no params saved nothing there
         with open(path, "w") as f:
             f.write(f"pid {os.getpid()}\n")
     except OSError as exc:

@@ -20,8 +20,9 @@ The patch series (``patches/``) adds, and this module answers, exactly::
         _optimizer_state_hooks.load(args, optimizer, checkpoint_name, ckpt_type)
 
 Both find the stores the plugin attached to the optimizer and to each chained
-optimizer (``contract.STORE_ATTR``) and do nothing when there are none, so a
-patched tree behaves as an unpatched one unless streaming is on. Each store
+optimizer (``contract.STORE_ATTR``) and do nothing when there are none and the
+optimizer is not marked streamed (``contract.STREAMING_ATTR``), so a patched tree
+behaves as an unpatched one unless streaming is on. Each store
 owns ``<iteration dir>/streamed_optimizer_state/<store name>/``. No torch here
 (but in the finalize of an asynchronous save, which Megatron runs with torch loaded).
 
@@ -42,8 +43,14 @@ import sys
 import weakref
 from typing import Any
 
-from megatron_hooks.async_finalize import FinishStreamedSaves, clear_markers, finish_deferred
-from megatron_hooks.contract import ANSWERED_HOOK_ABIS, HOOK_ABI_VERSION, STORE_ATTR, OptimizerStateStore
+from megatron_hooks.async_finalize import FinishStreamedSaves, clear_markers, finish_before_steps, finish_deferred
+from megatron_hooks.contract import (
+    ANSWERED_HOOK_ABIS,
+    HOOK_ABI_VERSION,
+    STORE_ATTR,
+    STREAMING_ATTR,
+    OptimizerStateStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +108,8 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any, async_
     now, or with Megatron's ``async_save_request`` in the background, finished by a
     finalize function of that request (see the module docstring)."""
     stores = stores_of(optimizer)
-    if not stores:
-        return
+    if not stores and not getattr(optimizer, STREAMING_ATTR, False):
+        return  # not streamed (a rank streaming none of its chain still joins the ranks' agreement below)
     if getattr(args, "no_save_optim", False):
         logger.warning(
             "--no-save-optim: the streamed optimizer state is not saved, as Megatron saves no optimizer state"
@@ -119,8 +126,9 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any, async_
         return
     rank, world_size = _rank_and_world_size()
     clear_markers(directory, rank)
+    finish_before_steps(optimizer)
     pending = [store.save_to(directory, asynchronous=True) for store in stores]
-    async_save_request.add_finalize_fn(FinishStreamedSaves(pending, stores, directory, rank, world_size))
+    async_save_request.add_finalize_fn(FinishStreamedSaves(pending, directory, rank, world_size))
 
 
 def _rank_and_world_size() -> tuple[int, int]:

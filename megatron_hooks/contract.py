@@ -16,6 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 
 # The attribute under which a store hangs on an optimizer instance.
 STORE_ATTR = "_miles_optimizer_state_store"
+# Set (True) on the optimizer a plugin streamed, also where its chain holds no params on
+# this rank (no store): that rank still joins the other ranks' agreement on a save.
+STREAMING_ATTR = "_miles_optimizer_state_streaming"
 
 # Bumped whenever the calls the patched Megatron lines make change shape. The
 # patched tree records the version it was patched for; the plugin refuses a

@@ -353,7 +353,7 @@ def streamed(tmp_path, name, seed):
     param = torch.randn(300, dtype=torch.bfloat16, requires_grad=True)
     optimizer = torch.optim.AdamW([param], lr=1e-2)
     front = StreamedOptimizer(optimizer, StreamConfig(directory=str(tmp_path / "scratch"), name=name))
-    holder = types.SimpleNamespace()
+    holder = types.SimpleNamespace(step=front.step)  # steps as Megatron's optimizer would
     setattr(holder, STORE_ATTR, front.store)
     param.grad = torch.randn_like(param)
     front.step()

@@ -11,10 +11,12 @@ here). Fakes, where the real thing cannot run here: a collective that fails, and
 second rank at exit, simulated by the marker file it would write.
 """
 
+import contextlib
 import json
 import os
 import tempfile
 import threading
+import time
 import types
 from datetime import timedelta
 
@@ -25,6 +27,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron_hooks import async_finalize
 from megatron_hooks import checkpoint as hooks
 from megatron_hooks.async_finalize import FinishStreamedSaves, StreamedSaveError
+from megatron_hooks.contract import STREAMING_ATTR
 from miles_plugins.optimizers.checkpoint import writer
 from miles_plugins.optimizers.checkpoint.manifest import MANIFEST_NAME
 from miles_plugins.optimizers.errors import StreamIOError
@@ -48,7 +51,7 @@ class Checkpoint:
     (its own part: nothing to write here), the hook, rank 0's tracker finalize after;
     then the request is scheduled on the queue."""
 
-    def __init__(self, queue, holder, tmp_path, iteration: int, done: list) -> None:
+    def __init__(self, queue, holder, tmp_path, iteration: int, done: list, manifest_of: str = "rank0") -> None:
         name = str(tmp_path / "ckpt" / f"iter_{iteration:07d}")
         self.state_dir = tmp_path / "ckpt" / f"iter_{iteration:07d}" / hooks.STATE_DIRNAME
         request = AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[lambda: done.append("megatron")])
@@ -56,7 +59,7 @@ class Checkpoint:
         self.finish = request.finalize_fns[-1]
         assert isinstance(self.finish, FinishStreamedSaves)
         # The tracker says whether the streamed state was complete when it was written.
-        manifest = self.state_dir / "rank0" / MANIFEST_NAME
+        manifest = self.state_dir / manifest_of / MANIFEST_NAME
         request.add_finalize_fn(lambda: done.append((f"tracker {iteration}", manifest.exists())))
         self.request = request
         if queue is not None:
@@ -82,9 +85,10 @@ def hold_publish(monkeypatch, fail: bool = False) -> threading.Event:
     return release
 
 
-def step(param, front) -> None:
+def step(param, holder) -> None:
+    """One training step through the optimizer Megatron saves with (the hook wraps its step)."""
     param.grad = torch.randn_like(param)
-    front.step()
+    holder.step()
 
 
 def test_a_non_blocking_finalize_lets_training_go_on_and_the_tracker_waits_for_the_streamed_state(
@@ -98,13 +102,12 @@ def test_a_non_blocking_finalize_lets_training_go_on_and_the_tracker_waits_for_t
     assert queue.get_num_unfinalized_calls() == 0, "Megatron's own part is finalized"
     assert done == ["megatron"], "the tracker waits for the streamed state"
     for _ in range(2):
-        step(param, front)  # training goes on while the streamed state is written
+        step(param, holder)  # training goes on while the streamed state is written
     assert done == ["megatron"]
     release.set()
     ckpt.wait_saved()
-    step(param, front)  # the first step after the save finds it complete
+    step(param, holder)  # the first step after the save finds it complete
     assert done == ["megatron", ("tracker 1", True)]
-    assert not list(ckpt.state_dir.glob(".rank*")), "markers are for the exit alone"
     front.close()
     # The checkpoint holds the state of the step it was taken at, not of the steps after.
     param2, again, holder2 = streamed(tmp_path / "again", "rank0", 0)
@@ -144,8 +147,8 @@ def test_a_failed_background_save_never_lets_the_tracker_mark_the_checkpoint(tmp
         with pytest.raises(StreamIOError):
             ckpt.wait_saved()
         with pytest.raises(StreamedSaveError) as failed:
-            step(param, front)  # the step after: the failure is raised there, once
-        step(param, front)  # and training may go on (from the previous checkpoint's point of view)
+            step(param, holder)  # the step after: the failure is raised there, once
+        step(param, holder)  # and training may go on (from the previous checkpoint's point of view)
     assert "was not saved (rank 0: cannot rename" in str(failed.value)
     assert "the checkpoint is not marked complete" in str(failed.value) and "\n" not in str(failed.value)
     assert done == ["megatron"], "the tracker must not be written"
@@ -165,7 +168,7 @@ def test_a_deferred_tracker_is_written_at_the_next_save_before_its_own_or_at_exi
         async_finalize._finish_at_exit()  # what atexit runs once the save threads are joined
         assert done == ["megatron", ("tracker 1", True)]
     else:
-        step(param, front)
+        step(param, holder)
         Checkpoint(queue, holder, tmp_path, 2, done)  # its hook waits for the earlier checkpoint's first
         assert done[:2] == ["megatron", ("tracker 1", True)]
         queue.maybe_finalize_async_calls(blocking=True)
@@ -194,9 +197,9 @@ def test_a_deferred_tracker_stays_deferred_when_the_ranks_cannot_agree_for_a_whi
 
     monkeypatch.setattr(async_finalize, "_exchange", flaky)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        step(param, front)
+        step(param, holder)
     assert done == ["megatron"] and len(async_finalize._deferred) == 1
-    step(param, front)
+    step(param, holder)
     assert done == ["megatron", ("tracker 1", True)]
     front.close()
 
@@ -212,26 +215,22 @@ def test_exit_markers_of_an_earlier_save_of_the_iteration_are_cleared_by_the_nex
     ckpt = Checkpoint(None, holder, tmp_path, 1, [])
     assert not stale.exists(), "rank 1 cleared its marker of the first save"
     ckpt.wait_saved()
-    monkeypatch.setattr(async_finalize, "EXIT_WAIT_S", 0.5)
-    as_rank0 = FinishStreamedSaves(ckpt.finish.pending, ckpt.finish.stores, ckpt.finish.directory, 0, 2)
+    monkeypatch.setattr(async_finalize, "STRAGGLER_WAIT_S", 0.5)
+    as_rank0 = FinishStreamedSaves(ckpt.finish.pending, ckpt.finish.directory, 0, 2)
     with pytest.raises(StreamedSaveError, match=r"rank\(s\) 1 did not say within 0 s .* not marked complete"):
         as_rank0.complete_at_exit()
     front.close()
 
 
-def test_a_run_that_exits_with_a_failed_deferred_save_exits_with_status_1(tmp_path, monkeypatch, caplog):
-    """An exit handler cannot raise a status: the failure is logged and the process ends with 1."""
+def test_a_run_that_exits_with_a_failed_deferred_save_says_so_and_never_marks_it(tmp_path, monkeypatch, caplog):
     param, front, holder = streamed(tmp_path, "rank0", 0)
     release = hold_publish(monkeypatch, fail=True)
     queue, done = AsyncCallsQueue(), []
     Checkpoint(queue, holder, tmp_path, 1, done)
     queue.maybe_finalize_async_calls(blocking=False)
     release.set()
-    statuses = []
-    monkeypatch.setattr(async_finalize.logging, "shutdown", lambda: None)  # pytest's handlers stay open
-    monkeypatch.setattr(async_finalize.os, "_exit", statuses.append)
     async_finalize._finish_at_exit()
-    assert statuses == [1] and done == ["megatron"]
+    assert done == ["megatron"]
     assert (
         "at exit: the streamed optimizer state" in caplog.text and "was not saved (rank 0: cannot rename" in caplog.text
     )
@@ -249,7 +248,8 @@ def _agreement_rank(rank: int, world_size: int, tmp: str) -> None:
         "gloo", init_method=f"file://{tmp}/group", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
     )
     seen = {}
-    for scenario in ("deferred", "deferred, rank 1 fails", "blocking, rank 1 fails", "the iteration saved twice"):
+    scenarios = ("deferred", "deferred, rank 1 fails", "blocking, rank 1 fails", "the iteration saved twice")
+    for scenario in (*scenarios, "rank 1 streams nothing", "blocking, rank 1 hangs"):
         with pytest.MonkeyPatch.context() as monkeypatch:
             seen[scenario] = _scenario(scenario, rank, os.path.join(tmp, scenario.replace(" ", "_")), monkeypatch)
         torch.distributed.barrier()
@@ -259,20 +259,28 @@ def _agreement_rank(rank: int, world_size: int, tmp: str) -> None:
 
 
 def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
-    """Rank 1's publish is held (and fails where the scenario says) until rank 0's save
-    is done and two steps ran; what ``done`` held after each step, or the error raised."""
+    """One rank's publish is held (rank 1's, or rank 0's where rank 1 streams nothing; it
+    fails or hangs where the scenario says) until the other's save is done and two steps
+    ran; what ``done`` held after each step, or the error raised."""
     from pathlib import Path
 
     tmp = Path(tmp)
-    param, front, holder = streamed(tmp / f"rank{rank}", f"rank{rank}", rank)
+    if scenario == "rank 1 streams nothing" and rank == 1:
+        param, front, holder = torch.zeros(1), None, types.SimpleNamespace(step=lambda: None)
+        setattr(holder, STREAMING_ATTR, True)  # its chain holds no params on this rank: no store
+    else:
+        param, front, holder = streamed(tmp / f"rank{rank}", f"rank{rank}", rank)
+    held = 0 if scenario == "rank 1 streams nothing" else 1
     release = hold_publish(monkeypatch, fail=rank == 1 and "fails" in scenario)
-    if rank == 0:
+    if rank != held:
         release.set()
+    if scenario == "blocking, rank 1 hangs":
+        monkeypatch.setattr(async_finalize, "STRAGGLER_WAIT_S", 3.0)
     queue, done, seen = AsyncCallsQueue(), [], []
-    ckpt = Checkpoint(queue, holder, tmp, 1, done)
+    ckpt = Checkpoint(queue, holder, tmp, 1, done, manifest_of=f"rank{held}")
 
     def held_then_released() -> None:
-        if rank == 1:
+        if rank == held:
             release.set()
             try:
                 ckpt.wait_saved()
@@ -281,13 +289,15 @@ def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
         torch.distributed.barrier()
 
     try:
-        if scenario.startswith("blocking"):
+        if scenario == "blocking, rank 1 hangs":
+            queue.maybe_finalize_async_calls(blocking=True)
+        elif scenario.startswith("blocking"):
             held_then_released()
             queue.maybe_finalize_async_calls(blocking=True)
         else:
             queue.maybe_finalize_async_calls(blocking=False)
             for _ in range(2):
-                step(param, front)
+                step(param, holder)
                 seen.append(list(done))
             if scenario == "the iteration saved twice":
                 threading.Timer(0.5, release.set).start()
@@ -296,11 +306,15 @@ def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
                 queue.maybe_finalize_async_calls(blocking=True)
             else:
                 held_then_released()
-                step(param, front)
+                step(param, holder)
         seen.append(list(done))
     except StreamedSaveError as exc:
         seen.append(str(exc))
-    front.close()
+    release.set()
+    with contextlib.suppress(StreamIOError):
+        ckpt.wait_saved()
+    if front is not None:
+        front.close()
     return [[list(x) if isinstance(x, tuple) else x for x in s] if isinstance(s, list) else s for s in seen]
 
 
@@ -310,7 +324,13 @@ def two_ranks():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_agreement_rank, args=(2, tmp), nprocs=2)
+        ranks = mp.spawn(_agreement_rank, args=(2, tmp), nprocs=2, join=False)
+        deadline = time.monotonic() + 240
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                pytest.fail("the two ranks did not finish their scenarios in 240 s: a hang")
         return [json.loads(open(os.path.join(tmp, f"rank{r}.json")).read()) for r in range(2)]
 
 
@@ -336,3 +356,57 @@ def test_the_iteration_saved_again_while_its_tracker_waits_completes_both(two_ra
     waiting, first = ["megatron"], ["megatron", ["tracker 1", True]]
     for seen in two_ranks:
         assert seen["the iteration saved twice"] == [waiting, waiting, first, first + first]
+
+
+def test_a_rank_that_streams_nothing_joins_the_agreement(two_ranks):
+    """A rank whose chain holds no params (no store) still takes part: the tracker is
+    written on both ranks at the same step, once rank 0's save is complete."""
+    waiting, complete = ["megatron"], ["megatron", ["tracker 1", True]]
+    for seen in two_ranks:
+        assert seen["rank 1 streams nothing"] == [waiting, waiting, complete]
+
+
+def test_a_save_that_hangs_on_one_rank_fails_every_rank_after_the_straggler_wait(two_ranks):
+    for seen in two_ranks:
+        [error] = seen["blocking, rank 1 hangs"]
+        assert (
+            "rank(s) 1 still saving the streamed optimizer state" in error
+            and "after another rank's save ended" in error
+        )
+
+
+def test_an_interrupted_blocking_finalize_keeps_the_tracker_for_later(tmp_path, monkeypatch):
+    """Megatron takes a request off its queue before it runs its finalize functions: an
+    interrupt while a blocking one waits must not lose the tracker."""
+    param, front, holder = streamed(tmp_path, "rank0", 0)
+    queue, done = AsyncCallsQueue(), []
+    ckpt = Checkpoint(queue, holder, tmp_path, 1, done)
+    real = async_finalize._exchange
+
+    def interrupted(*args):
+        monkeypatch.setattr(async_finalize, "_exchange", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(async_finalize, "_exchange", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert done == ["megatron"] and queue.get_num_unfinalized_calls() == 0
+    ckpt.wait_saved()
+    step(param, holder)
+    assert done == ["megatron", ("tracker 1", True)]
+    front.close()
+
+
+def test_at_exit_no_rank_runs_the_deferred_functions_before_every_rank_said_saved(tmp_path, monkeypatch, caplog):
+    """Rank 1 of two at exit, rank 0's marker missing: rank 1's remaining finalize
+    functions (Megatron's success callbacks) do not run."""
+    monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (1, 2))
+    monkeypatch.setattr(async_finalize, "STRAGGLER_WAIT_S", 0.5)
+    param, front, holder = streamed(tmp_path, "rank1", 0)
+    ckpt = Checkpoint(None, holder, tmp_path, 1, [], manifest_of="rank1")
+    ckpt.wait_saved()
+    ran = []
+    async_finalize._deferred.append((ckpt.finish, [lambda: ran.append("on_save_checkpoint_success")]))
+    async_finalize._finish_at_exit()
+    assert ran == [] and "rank(s) 0 did not say within 0 s" in caplog.text
+    front.close()

@@ -437,6 +437,21 @@ def test_a_dense_and_an_expert_optimizer_share_the_ranks_staging_budget(tmp_path
         attach(chain, small)
 
 
+def test_a_chain_streamed_on_a_rank_where_it_holds_no_params_is_marked_streamed(tmp_path):
+    """No store there, but the save hook must still join the ranks' agreement on an
+    asynchronous checkpoint (megatron_hooks.async_finalize): the optimizer is marked."""
+    from megatron_hooks.contract import STREAMING_ATTR
+    from miles_plugins.optimizers.megatron.binding import attach
+
+    stub = types.SimpleNamespace(is_stub_optimizer=True)  # Megatron's for a chain part with no params here
+    chain = types.SimpleNamespace(chained_optimizers=[stub, stub])
+    assert attach(chain, StreamConfig(directory=str(tmp_path / "scratch"), name="rank0")) == []
+    assert getattr(chain, STREAMING_ATTR) is True
+    opt, _, binding = bind(tmp_path / "bound")
+    assert getattr(opt, STREAMING_ATTR, False) is False, "a binding alone does not mark: attach marks the chain"
+    binding.store.close()
+
+
 @pytest.mark.parametrize("ranks, one_slot", [(1, False), (2, True)], ids=["alone", "two-ranks-share-the-drive"])
 def test_ranks_of_a_node_plan_their_disk_buckets_with_their_share_of_the_drive(
     tmp_path, monkeypatch, small_drives, ranks, one_slot

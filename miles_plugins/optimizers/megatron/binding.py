@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from megatron_hooks.contract import STREAMING_ATTR
 from miles_plugins.optimizers.checkpoint.background import BackgroundSave
 from miles_plugins.optimizers.config import AUTO, StreamConfig
 from miles_plugins.optimizers.errors import CheckpointMismatchError, StoreUnusableError, StreamConfigError
@@ -280,6 +281,7 @@ def attach(optimizer: Any, config: StreamConfig) -> list[MegatronBinding]:
         for binding in bindings:
             binding.store.close()
         raise
+    setattr(optimizer, STREAMING_ATTR, True)
     return bindings
 
 
