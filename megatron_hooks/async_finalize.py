@@ -12,8 +12,8 @@ stop training until it is written, so the finalize takes the functions after it 
 of the list Megatron is running and keeps them (*deferred*); they run, on the
 training thread as Megatron would run them, at once where the saves are complete
 everywhere, else before the first optimizer step once they are, at the next save,
-or at exit. A blocking caller waits for them; one whose running list cannot be found
-(``AsyncRequest.execute_sync``, an unknown caller) waits before Megatron runs them.
+or at exit. A blocking caller (``AsyncRequest.execute_sync`` too) waits for them; one
+whose running list cannot be found waits before it runs them.
 
 Every rank reaches these points together (Megatron finalizes a request on all ranks
 at once, and every rank of a job that streams steps and saves, also one whose chain
@@ -24,8 +24,8 @@ short collectives, one a second, so no rank sits in one for as long as a save ta
 once some rank's saves ended, the others get :data:`STRAGGLER_WAIT_S`, counted in
 those collectives so that every rank gives up at the same one. No collective runs at
 exit (a rank may be exiting on an error while the others still train): each rank
-writes a marker into the state directory once its saves end, ``.rank<r>.saved`` or
-``.rank<r>.failed``, and at exit every rank waits, at most :data:`STRAGGLER_WAIT_S`,
+writes a marker into the state directory once its saves end, ``.rank<r>.save<n>.saved``
+or ``.failed`` (``n``: the save's number, alike on every rank), and at exit every rank waits, at most :data:`STRAGGLER_WAIT_S`,
 for every rank's ``.saved`` before it runs its deferred functions; otherwise it logs
 why the checkpoint stays unmarked.
 """
@@ -33,6 +33,7 @@ why the checkpoint stays unmarked.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # A rank's state of one checkpoint's streamed saves, as the ranks exchange it.
 SAVING, SAVED, FAILED = 0, 1, 2
+# What a rank whose chain holds no params (no store) gives: complete, yet no save that ended.
+NOTHING = 3
 # How often the ranks (or each rank, at exit) look again while they wait, and how often
 # rank 0 says whom it waits for.
 _POLL_S = 1.0
@@ -56,6 +59,8 @@ _LOG_EVERY_S = 60.0
 STRAGGLER_WAIT_S = 600.0
 # Set on an optimizer whose ``step`` finishes deferred checkpoints first.
 _CHECKED_ATTR = "_miles_finishes_deferred_saves"
+# This process's asynchronous saves so far (next_save_number).
+_saves = 0
 
 
 class StreamedSaveError(RuntimeError):
@@ -63,23 +68,35 @@ class StreamedSaveError(RuntimeError):
 
 
 def clear_markers(directory: str, rank: int) -> None:
-    """Remove this rank's exit markers of an earlier save into ``directory`` (the same
-    iteration saved again, by this run or one before it). Called by the save hook on
-    every rank before any rank's finalize can run: Megatron finalizes only once every
-    rank has scheduled."""
-    for what in ("saved", "failed"):
-        try:
-            os.unlink(_marker(directory, rank, what))
-        except FileNotFoundError:
-            pass
+    """Remove this rank's markers of earlier saves into ``directory`` (the same iteration
+    saved again, by this run or one before it), before the save hook starts a new one.
+    A marker of this run's previous save written later is harmless: markers name their
+    save (:func:`next_save_number`)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(_marker_prefix(rank)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+
+
+def next_save_number() -> int:
+    """The number of the asynchronous save the hook starts now: every rank counts its
+    saves alike (each rank's hook runs for every save), so it names one save on all."""
+    global _saves
+    _saves += 1
+    return _saves
 
 
 class FinishStreamedSaves:
     """The finalize function of one asynchronous checkpoint's streamed state (see the module docstring)."""
 
-    def __init__(self, pending: Sequence[PendingSave], directory: str, rank: int, world_size: int) -> None:
+    def __init__(self, pending: Sequence[PendingSave], directory: str, rank: int, world_size: int, number: int) -> None:
         self.pending = list(pending)
         self.directory = directory
+        self.number = number
         self.rank = rank
         self.world_size = world_size
         self._state = SAVING
@@ -112,7 +129,8 @@ class FinishStreamedSaves:
         ``block``, where a rank is still saving ``STRAGGLER_WAIT_S`` after another ended."""
         logged, straggling = time.monotonic(), 0
         while True:
-            states = _exchange(self._own_state(), self.rank, self.world_size)
+            own = self._own_state()
+            states = _exchange(NOTHING if not self.pending else own, self.rank, self.world_size)
             failed = [r for r, state in enumerate(states) if state == FAILED]
             if failed:
                 raise self._error(failed)
@@ -122,7 +140,7 @@ class FinishStreamedSaves:
             if not block:
                 return False
             # Counted in polls, which every rank makes alike, so that all give up at the same one.
-            straggling += len(saving) < self.world_size
+            straggling += SAVED in states
             if straggling * _POLL_S > STRAGGLER_WAIT_S:
                 raise StreamedSaveError(
                     f"rank(s) {_ranks(saving)} still saving the streamed optimizer state of {self.directory} "
@@ -142,10 +160,10 @@ class FinishStreamedSaves:
         tell that every rank's save is complete."""
         state = self._own_state(block=True)
         if not self._marked:
-            _write_marker(self.directory, self.rank, "saved" if state == SAVED else "failed")
+            _write_marker(self.directory, self.rank, self.number, "saved" if state == SAVED else "failed")
         if state == FAILED:
             raise self._error([self.rank])
-        _await_markers(self.directory, self.world_size, STRAGGLER_WAIT_S)
+        _await_markers(self.directory, self.world_size, self.number, STRAGGLER_WAIT_S)
 
     def _own_state(self, block: bool = False) -> int:
         """This rank's state; once its saves ended (or, with ``block``, after waiting),
@@ -158,7 +176,7 @@ class FinishStreamedSaves:
                     self._failure = self._failure or exc
             self._state = FAILED if self._failure is not None else SAVED
             try:
-                _write_marker(self.directory, self.rank, "saved" if self._state == SAVED else "failed")
+                _write_marker(self.directory, self.rank, self.number, "saved" if self._state == SAVED else "failed")
                 self._marked = True
             except StreamedSaveError as exc:  # needed only at exit, which tries again
                 logger.warning("%s", exc)
@@ -192,9 +210,8 @@ def finish_deferred(block: bool) -> None:
         except StreamedSaveError:
             _deferred.pop(0)
             raise
+        _run_in_turn(later)
         _deferred.pop(0)
-        for fn in later:
-            fn()
 
 
 def finish_before_steps(optimizer: Any) -> None:
@@ -223,14 +240,23 @@ def _finish_at_exit() -> None:
     its own (an exit handler cannot set one without cutting the other handlers short)."""
     if not _deferred:
         return
-    finish, later = _deferred.pop(0)
-    try:
-        finish.complete_at_exit()
-    except StreamedSaveError as exc:
-        logger.error("at exit: %s", exc)
-        return
-    for fn in later:
-        fn()
+    for finish, later in list(_deferred):
+        try:
+            finish.complete_at_exit()
+        except StreamedSaveError as exc:
+            logger.error("at exit: %s", exc)
+            _deferred.clear()  # nothing is marked past a checkpoint that could not be
+            return
+        _run_in_turn(later)
+        _deferred.pop(0)
+
+
+def _run_in_turn(fns: list[Callable[[], Any]]) -> None:
+    """Run ``fns`` in order, each taken off the list only once it ran: an interrupt leaves
+    the rest (and at worst the one it cut short, run again: the tracker's write is) for later."""
+    while fns:
+        fns[0]()
+        del fns[0]
 
 
 def _exchange(state: int, rank: int, world_size: int) -> list[int]:
@@ -265,24 +291,28 @@ def _running_finalize_fns(fn: FinishStreamedSaves) -> tuple[list, bool] | None:
     return None
 
 
-def _marker(directory: str, rank: int, what: str) -> str:
-    return os.path.join(directory, f".rank{rank:05d}.{what}")
+def _marker_prefix(rank: int) -> str:
+    return f".rank{rank:05d}."
 
 
-def _write_marker(directory: str, rank: int, what: str) -> None:
-    path = _marker(directory, rank, what)
+def _marker(directory: str, rank: int, number: int, what: str) -> str:
+    return os.path.join(directory, f"{_marker_prefix(rank)}save{number}.{what}")
+
+
+def _write_marker(directory: str, rank: int, number: int, what: str) -> None:
+    path = _marker(directory, rank, number, what)
     try:
         os.makedirs(directory, exist_ok=True)  # a rank whose chain holds no params saved nothing there
         with open(path, "w") as f:
             f.write(f"pid {os.getpid()}\n")
     except OSError as exc:
         raise StreamedSaveError(
-            f"cannot write {path} ({exc.strerror}): rank 0 cannot learn that rank {rank}'s streamed optimizer "
-            "state is saved, and does not mark the checkpoint complete"
+            f"cannot write {path} ({exc.strerror}): the other ranks cannot learn at exit that rank {rank}'s "
+            "streamed optimizer state is saved, and do not mark the checkpoint complete"
         ) from exc
 
 
-def _await_markers(directory: str, world_size: int, timeout_s: float) -> None:
+def _await_markers(directory: str, world_size: int, number: int, timeout_s: float) -> None:
     """Wait until every rank's ``.saved`` marker is in ``directory`` (one listing per
     look), at most ``timeout_s``; raise where one rank's ``.failed`` is, or on timeout."""
     start = logged = time.monotonic()
@@ -293,13 +323,15 @@ def _await_markers(directory: str, world_size: int, timeout_s: float) -> None:
             raise StreamedSaveError(
                 f"cannot list {directory} ({exc.strerror}): the checkpoint is not marked complete"
             ) from exc
-        failed = [r for r in range(world_size) if os.path.basename(_marker(directory, r, "failed")) in names]
+        failed = [r for r in range(world_size) if os.path.basename(_marker(directory, r, number, "failed")) in names]
         if failed:
             raise StreamedSaveError(
                 f"the streamed optimizer state of {directory} was not saved on rank(s) {_ranks(failed)}: the "
                 "checkpoint is not marked complete, and the previous one stays the latest"
             )
-        missing = [r for r in range(world_size) if os.path.basename(_marker(directory, r, "saved")) not in names]
+        missing = [
+            r for r in range(world_size) if os.path.basename(_marker(directory, r, number, "saved")) not in names
+        ]
         if not missing:
             return
         waited = time.monotonic() - start

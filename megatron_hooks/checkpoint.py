@@ -43,7 +43,13 @@ import sys
 import weakref
 from typing import Any
 
-from megatron_hooks.async_finalize import FinishStreamedSaves, clear_markers, finish_before_steps, finish_deferred
+from megatron_hooks.async_finalize import (
+    FinishStreamedSaves,
+    clear_markers,
+    finish_before_steps,
+    finish_deferred,
+    next_save_number,
+)
 from megatron_hooks.contract import (
     ANSWERED_HOOK_ABIS,
     HOOK_ABI_VERSION,
@@ -127,8 +133,9 @@ def save(args: Any, optimizer: Any, checkpoint_name: str, ckpt_type: Any, async_
     rank, world_size = _rank_and_world_size()
     clear_markers(directory, rank)
     finish_before_steps(optimizer)
+    number = next_save_number()
     pending = [store.save_to(directory, asynchronous=True) for store in stores]
-    async_save_request.add_finalize_fn(FinishStreamedSaves(pending, directory, rank, world_size))
+    async_save_request.add_finalize_fn(FinishStreamedSaves(pending, directory, rank, world_size, number))
 
 
 def _rank_and_world_size() -> tuple[int, int]:

@@ -209,14 +209,18 @@ def test_exit_markers_of_an_earlier_save_of_the_iteration_are_cleared_by_the_nex
     first run left at its exit must not tell rank 0 at this run's exit that it is complete."""
     monkeypatch.setattr(hooks, "_rank_and_world_size", lambda: (1, 2))  # as rank 1's hook
     param, front, holder = streamed(tmp_path, "rank1", 0)
-    stale = tmp_path / "ckpt" / "iter_0000001" / hooks.STATE_DIRNAME / ".rank00001.saved"
+    stale = (
+        tmp_path / "ckpt" / "iter_0000001" / hooks.STATE_DIRNAME / f".rank00001.save{async_finalize._saves + 1}.saved"
+    )
     stale.parent.mkdir(parents=True)
     stale.write_text("pid 1\n")
     ckpt = Checkpoint(None, holder, tmp_path, 1, [])
     assert not stale.exists(), "rank 1 cleared its marker of the first save"
     ckpt.wait_saved()
+    # This run's previous save of the iteration, finalized only now, writes its own marker late.
+    (stale.parent / f".rank00001.save{ckpt.finish.number - 1}.saved").write_text("pid 1\n")
     monkeypatch.setattr(async_finalize, "STRAGGLER_WAIT_S", 0.5)
-    as_rank0 = FinishStreamedSaves(ckpt.finish.pending, ckpt.finish.directory, 0, 2)
+    as_rank0 = FinishStreamedSaves(ckpt.finish.pending, ckpt.finish.directory, 0, 2, ckpt.finish.number)
     with pytest.raises(StreamedSaveError, match=r"rank\(s\) 1 did not say within 0 s .* not marked complete"):
         as_rank0.complete_at_exit()
     front.close()
@@ -249,7 +253,8 @@ def _agreement_rank(rank: int, world_size: int, tmp: str) -> None:
     )
     seen = {}
     scenarios = ("deferred", "deferred, rank 1 fails", "blocking, rank 1 fails", "the iteration saved twice")
-    for scenario in (*scenarios, "rank 1 streams nothing", "blocking, rank 1 hangs"):
+    more = ("rank 1 streams nothing", "blocking, rank 1 streams nothing, rank 0 slow", "blocking, rank 1 hangs")
+    for scenario in (*scenarios, *more):
         with pytest.MonkeyPatch.context() as monkeypatch:
             seen[scenario] = _scenario(scenario, rank, os.path.join(tmp, scenario.replace(" ", "_")), monkeypatch)
         torch.distributed.barrier()
@@ -265,16 +270,16 @@ def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
     from pathlib import Path
 
     tmp = Path(tmp)
-    if scenario == "rank 1 streams nothing" and rank == 1:
+    if "rank 1 streams nothing" in scenario and rank == 1:
         param, front, holder = torch.zeros(1), None, types.SimpleNamespace(step=lambda: None)
         setattr(holder, STREAMING_ATTR, True)  # its chain holds no params on this rank: no store
     else:
         param, front, holder = streamed(tmp / f"rank{rank}", f"rank{rank}", rank)
-    held = 0 if scenario == "rank 1 streams nothing" else 1
+    held = 0 if "rank 1 streams nothing" in scenario else 1
     release = hold_publish(monkeypatch, fail=rank == 1 and "fails" in scenario)
     if rank != held:
         release.set()
-    if scenario == "blocking, rank 1 hangs":
+    if scenario.startswith("blocking, rank 1"):
         monkeypatch.setattr(async_finalize, "STRAGGLER_WAIT_S", 3.0)
     queue, done, seen = AsyncCallsQueue(), [], []
     ckpt = Checkpoint(queue, holder, tmp, 1, done, manifest_of=f"rank{held}")
@@ -290,6 +295,10 @@ def _scenario(scenario: str, rank: int, tmp: str, monkeypatch) -> list:
 
     try:
         if scenario == "blocking, rank 1 hangs":
+            queue.maybe_finalize_async_calls(blocking=True)
+        elif scenario == "blocking, rank 1 streams nothing, rank 0 slow":
+            if rank == held:
+                threading.Timer(2 * async_finalize.STRAGGLER_WAIT_S, release.set).start()
             queue.maybe_finalize_async_calls(blocking=True)
         elif scenario.startswith("blocking"):
             held_then_released()
@@ -366,6 +375,13 @@ def test_a_rank_that_streams_nothing_joins_the_agreement(two_ranks):
         assert seen["rank 1 streams nothing"] == [waiting, waiting, complete]
 
 
+def test_a_rank_that_streams_nothing_starts_no_straggler_wait(two_ranks):
+    """Its state is complete at once, but no save of it ended: rank 0's save, slower than
+    the straggler wait, still completes the checkpoint."""
+    for seen in two_ranks:
+        assert seen["blocking, rank 1 streams nothing, rank 0 slow"] == [["megatron", ["tracker 1", True]]]
+
+
 def test_a_save_that_hangs_on_one_rank_fails_every_rank_after_the_straggler_wait(two_ranks):
     for seen in two_ranks:
         [error] = seen["blocking, rank 1 hangs"]
@@ -409,4 +425,29 @@ def test_at_exit_no_rank_runs_the_deferred_functions_before_every_rank_said_save
     async_finalize._deferred.append((ckpt.finish, [lambda: ran.append("on_save_checkpoint_success")]))
     async_finalize._finish_at_exit()
     assert ran == [] and "rank(s) 0 did not say within 0 s" in caplog.text
+    front.close()
+
+
+def test_an_interrupt_among_the_deferred_functions_leaves_the_rest_for_the_next_step(tmp_path, monkeypatch):
+    """Each deferred function is taken off only once it ran: one cut short by an interrupt
+    runs again, and the tracker after it is not lost."""
+    param, front, holder = streamed(tmp_path, "rank0", 0)
+    release = hold_publish(monkeypatch)
+    queue, done, calls = AsyncCallsQueue(), [], []
+
+    def interrupted_once() -> None:
+        calls.append("callback")
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    ckpt = Checkpoint(queue, holder, tmp_path, 1, done)
+    ckpt.request.finalize_fns.insert(-1, interrupted_once)  # between the hook's and the tracker's
+    queue.maybe_finalize_async_calls(blocking=False)
+    release.set()
+    ckpt.wait_saved()
+    with pytest.raises(KeyboardInterrupt):
+        step(param, holder)
+    assert done == ["megatron"]
+    step(param, holder)
+    assert calls == ["callback", "callback"] and done == ["megatron", ("tracker 1", True)]
     front.close()
