@@ -160,7 +160,7 @@ class FinishStreamedSaves:
         tell that every rank's save is complete."""
         state = self._own_state(block=True)
         if not self._marked:
-            _write_marker(self.directory, self.rank, self.number, "saved" if state == SAVED else "failed")
+            self._mark()
         if state == FAILED:
             raise self._error([self.rank])
         _await_markers(self.directory, self.world_size, self.number, STRAGGLER_WAIT_S)
@@ -176,11 +176,15 @@ class FinishStreamedSaves:
                     self._failure = self._failure or exc
             self._state = FAILED if self._failure is not None else SAVED
             try:
-                _write_marker(self.directory, self.rank, self.number, "saved" if self._state == SAVED else "failed")
-                self._marked = True
+                self._mark()
             except StreamedSaveError as exc:  # needed only at exit, which tries again
                 logger.warning("%s", exc)
         return self._state
+
+    def _mark(self) -> None:
+        """Write this rank's marker of its ended saves (raises :class:`StreamedSaveError`)."""
+        _write_marker(self.directory, self.rank, self.number, "saved" if self._state == SAVED else "failed")
+        self._marked = True
 
     def _error(self, failed: list[int]) -> StreamedSaveError:
         own = f"rank {self.rank}: {self._failure}" if self._failure is not None else f"rank(s) {_ranks(failed)}"
